@@ -1,0 +1,1 @@
+"""Tamper-evident audit log (hash chains, signed checkpoints, exports). Built in a later issue."""

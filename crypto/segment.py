@@ -1,0 +1,130 @@
+"""Sealing of KV segments: one (block, layer) slice of a prefix, sealed on its own.
+
+Keys and nonces
+---------------
+Each extent (one store call's blocks) gets a 16-byte random salt; the segments of that extent are
+sealed under a subkey ``HKDF-SHA256(data_key, salt, info)`` and the nonce of a segment is its
+position in the extent::
+
+    subkey = HKDF-SHA256(ikm=data_key, salt=extent_salt, info=b"tenantkv/segment/v1" || suite, L=32)
+    nonce  = u32be(layer) || u64be(slot)        # slot = block index inside the extent
+
+An extent is written once and never rewritten, so under one subkey every nonce is used exactly
+once. Subkeys of different extents differ unless two 128-bit random salts collide (for 2**48
+extents under one data key the chance is below 2**-32), which keeps us clear of the 2**32
+random-nonce bound of NIST SP 800-38D without counters or coordination between writers.
+
+Associated data (binds a segment to where it belongs; all integers big-endian)::
+
+    offset  size  field
+    0       8     b"TKVSEG\\x00\\x01"  (magic and format version 1)
+    8       1     cipher suite
+    9       16    tenant id
+    25      4     data key version
+    29      16    namespace id
+    45      32    block key (keyed prefix hash of the block)
+    77      4     layer index
+    81      4     plaintext length in bytes
+
+Sealed segment on disk: ``ciphertext (len = plaintext length) || tag (16 bytes)``. Moving a
+segment to another tenant, namespace, block, layer or extent, or changing a single bit, makes it
+fail to open with :class:`SealOpenError`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .errors import SealOpenError
+from .suites import KEY_BYTES, TAG_BYTES, CipherSuite
+
+SEGMENT_FORMAT_VERSION = 1
+SALT_BYTES = 16
+ID_BYTES = 16
+BLOCK_KEY_BYTES = 32
+_AAD_MAGIC = b"TKVSEG\x00" + bytes([SEGMENT_FORMAT_VERSION])
+_AAD_HEAD = struct.Struct(">8sB16sI16s")
+_AAD_TAIL = struct.Struct(">II")
+_NONCE = struct.Struct(">IQ")
+_SUBKEY_INFO = b"tenantkv/segment/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentContext:
+    """What a sealed segment is bound to, apart from its block key, layer and length."""
+
+    tenant_id: bytes
+    key_version: int
+    namespace_id: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.tenant_id) != ID_BYTES or len(self.namespace_id) != ID_BYTES:
+            raise ValueError(f"tenant and namespace ids must be {ID_BYTES} bytes")
+        if not 0 <= self.key_version < 2**32:
+            raise ValueError(f"key version {self.key_version} is out of range")
+
+
+class ExtentCipher:
+    """Seals and opens the segments of one extent.
+
+    Thread-safe: the AEAD objects of ``cryptography`` hold no per-call state, so reader threads
+    share one instance.
+    """
+
+    __slots__ = ("_aad_head", "_aead", "suite")
+
+    def __init__(
+        self, data_key: bytes, salt: bytes, context: SegmentContext, suite: CipherSuite
+    ) -> None:
+        if len(data_key) != KEY_BYTES:
+            raise ValueError(f"a data key must be {KEY_BYTES} bytes")
+        if len(salt) != SALT_BYTES:
+            raise ValueError(f"an extent salt must be {SALT_BYTES} bytes")
+        subkey = HKDF(
+            algorithm=hashes.SHA256(),
+            length=KEY_BYTES,
+            salt=salt,
+            info=_SUBKEY_INFO + bytes([suite]),
+        ).derive(data_key)
+        self.suite = suite
+        self._aead = suite.new_aead(subkey)
+        self._aad_head = _AAD_HEAD.pack(
+            _AAD_MAGIC, suite, context.tenant_id, context.key_version, context.namespace_id
+        )
+
+    def associated_data(self, block_key: bytes, layer: int, length: int) -> bytes:
+        """The associated data of one segment (see the module docstring for the layout)."""
+        if len(block_key) != BLOCK_KEY_BYTES:
+            raise ValueError(f"a block key must be {BLOCK_KEY_BYTES} bytes")
+        return self._aad_head + block_key + _AAD_TAIL.pack(layer, length)
+
+    def seal_into(
+        self, slot: int, layer: int, block_key: bytes, plaintext: memoryview, out: memoryview
+    ) -> None:
+        """Seal ``plaintext`` into ``out``, which holds exactly ``len(plaintext) + 16`` bytes."""
+        length = len(plaintext)
+        if len(out) != length + TAG_BYTES:
+            raise ValueError(f"output must hold {length + TAG_BYTES} bytes, has {len(out)}")
+        aad = self.associated_data(block_key, layer, length)
+        self._aead.encrypt_into(_NONCE.pack(layer, slot), plaintext, aad, out)
+
+    def open_into(
+        self, slot: int, layer: int, block_key: bytes, sealed: memoryview, out: memoryview
+    ) -> None:
+        """Open ``sealed`` into ``out`` (``len(sealed) - 16`` bytes) or raise SealOpenError.
+
+        On failure the contents of ``out`` are unspecified; callers discard the whole buffer.
+        """
+        length = len(sealed) - TAG_BYTES
+        if length < 0 or len(out) != length:
+            raise SealOpenError("sealed segment has the wrong length")
+        aad = self.associated_data(block_key, layer, length)
+        try:
+            self._aead.decrypt_into(_NONCE.pack(layer, slot), sealed, aad, out)
+        except InvalidTag:
+            raise SealOpenError("segment failed to open") from None

@@ -1,0 +1,192 @@
+"""Local-filesystem block store (the embedded default; also any shared POSIX mount).
+
+Layout under the root::
+
+    extents/<first two hex digits>/<32 hex digits>.tkx   committed extents
+    tmp/<32 hex digits>.part                              extents being written
+
+A write goes to ``tmp/``, is flushed and fsynced, then renamed into ``extents/`` (rename is atomic
+on POSIX file systems) and the directory is fsynced; so a reader sees either no extent or all of
+it. Leftover ``.part`` files (a crash mid-write) are never visible as extents and are removed by
+:meth:`LocalBlockStore.sweep_temporary`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from typing_extensions import Buffer
+
+from .base import BlockStore, ExtentReader, ExtentWriter
+from .errors import ExtentNotFoundError, ShortReadError, StorageError
+
+_EXTENT_SUFFIX = ".tkx"
+_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(ExtentWriter):
+    def __init__(self, store: LocalBlockStore) -> None:
+        self._store = store
+        self._id = secrets.token_hex(16)
+        self._temp = store.temp_dir / f"{self._id}.part"
+        self._fd: int | None = os.open(
+            self._temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
+        )
+        self._done = False
+
+    def write(self, data: Buffer) -> None:
+        if self._fd is None:
+            raise StorageError("extent writer is closed")
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError as err:
+            self.abort()
+            raise StorageError(f"writing extent failed: {err}") from err
+
+    def commit(self) -> str:
+        if self._fd is None or self._done:
+            raise StorageError("extent writer is closed")
+        final = self._store.path_of(self._id)
+        try:
+            if self._store.durable:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            final.parent.mkdir(exist_ok=True)
+            os.rename(self._temp, final)
+            if self._store.durable:
+                _fsync_dir(final.parent)
+        except OSError as err:
+            self.abort()
+            raise StorageError(f"committing extent failed: {err}") from err
+        self._done = True
+        return self._id
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(FileNotFoundError):
+            self._temp.unlink()
+
+
+class _LocalReader(ExtentReader):
+    def __init__(self, path: Path) -> None:
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ExtentNotFoundError(f"no extent at {path.name}") from None
+        except OSError as err:
+            raise StorageError(f"opening extent failed: {err}") from err
+        self._size = os.fstat(self._fd).st_size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def readinto(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        if self._fd is None:
+            raise StorageError("extent reader is closed")
+        views = [memoryview(b).cast("B") for b in buffers]
+        wanted = sum(len(v) for v in views)
+        done = 0
+        while done < wanted:
+            # preadv may return short counts; continue with what is left of the buffers.
+            skip = done
+            rest: list[memoryview] = []
+            for view in views:
+                if skip >= len(view):
+                    skip -= len(view)
+                    continue
+                rest.append(view[skip:])
+                skip = 0
+            try:
+                got = os.preadv(self._fd, rest, offset + done)
+            except OSError as err:
+                raise StorageError(f"reading extent failed: {err}") from err
+            if got == 0:
+                raise ShortReadError(
+                    f"extent ended at byte {offset + done}, wanted up to {offset + wanted}"
+                )
+            done += got
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class LocalBlockStore(BlockStore):
+    """Extents as files under ``root``. ``durable=False`` skips fsync (tests, scratch caches)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.root = Path(root)
+        self.durable = durable
+        self.extent_dir = self.root / "extents"
+        self.temp_dir = self.root / "tmp"
+        self.extent_dir.mkdir(parents=True, exist_ok=True)
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+
+    def path_of(self, extent_id: str) -> Path:
+        if not _ID_PATTERN.fullmatch(extent_id):
+            raise ExtentNotFoundError(f"{extent_id!r} is not an extent id")
+        return self.extent_dir / extent_id[:2] / f"{extent_id}{_EXTENT_SUFFIX}"
+
+    def create(self) -> ExtentWriter:
+        try:
+            return _LocalWriter(self)
+        except OSError as err:
+            raise StorageError(f"creating extent failed: {err}") from err
+
+    def open(self, extent_id: str) -> ExtentReader:
+        return _LocalReader(self.path_of(extent_id))
+
+    def delete(self, extent_id: str) -> bool:
+        try:
+            self.path_of(extent_id).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise StorageError(f"deleting extent failed: {err}") from err
+        return True
+
+    def list(self) -> Iterator[str]:
+        for shard in sorted(self.extent_dir.iterdir()):
+            if not shard.is_dir():
+                continue
+            for entry in sorted(shard.iterdir()):
+                stem = entry.name.removesuffix(_EXTENT_SUFFIX)
+                if entry.name.endswith(_EXTENT_SUFFIX) and _ID_PATTERN.fullmatch(stem):
+                    yield stem
+
+    def sweep_temporary(self) -> int:
+        """Remove ``.part`` files left by crashed writers; return how many were removed.
+
+        Only call this when no writer of this root is running (at start-up or under GC's lock).
+        """
+        removed = 0
+        for entry in self.temp_dir.glob("*.part"):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed += 1
+        return removed

@@ -1,0 +1,53 @@
+"""tenantkv: a secure, multi-tenant KV-cache layer for LLM inference.
+
+::
+
+    kv = tenantkv.open(root)
+    kv.create_tenant("acme")
+    layout = tenantkv.KVLayout.mla(61, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
+    ns = kv.namespace("acme", model="deepseek-v3", layout=layout)
+    ns.store(tokens, layers)
+    n = ns.lookup(tokens)
+    with ns.load(tokens[:n]) as stream:
+        for layer_index, layer in stream: ...
+"""
+
+from .cache import TenantInfo, TenantKV, open
+from .errors import (
+    CacheClosedError,
+    CacheMissError,
+    CacheUnavailableError,
+    InvalidRequestError,
+    LoadError,
+    SegmentIntegrityError,
+    TenantExistsError,
+    TenantKVError,
+    TenantNotFoundError,
+)
+from .layout import KVLayout, Layer
+from .loader import LoadStream
+from .namespace import Namespace
+from .prefix import BLOCK_TOKENS
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "CacheClosedError",
+    "CacheMissError",
+    "CacheUnavailableError",
+    "InvalidRequestError",
+    "KVLayout",
+    "Layer",
+    "LoadError",
+    "LoadStream",
+    "Namespace",
+    "SegmentIntegrityError",
+    "TenantExistsError",
+    "TenantInfo",
+    "TenantKV",
+    "TenantKVError",
+    "TenantNotFoundError",
+    "__version__",
+    "open",
+]

@@ -1,0 +1,332 @@
+"""The cache manager: opens the index, block store and keys; manages tenants and namespaces."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+
+from .crypto import (
+    DEFAULT_SUITE,
+    CipherSuite,
+    KeyEncryptionKey,
+    KeyWrapper,
+    MasterKeyProvider,
+    default_master_key_provider,
+)
+from .database import Database
+from .errors import CacheClosedError, InvalidRequestError, TenantExistsError, TenantNotFoundError
+from .layout import KVLayout
+from .models import Block, DataKey, Extent, Tenant
+from .models import Namespace as NamespaceRow
+from .namespace import Namespace, NamespaceIdentity
+from .prefix import model_fingerprint
+from .security_events import SecurityEvent, SecurityEventLog
+from .storage import BlockStore, LocalBlockStore, StorageError
+
+logger = logging.getLogger("tenantkv")
+
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MAX_SCOPE = 256
+_MAX_MODEL = 256
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    name: str
+    created_at: float
+    key_version: int
+
+
+def _check_tenant_name(name: Any) -> str:
+    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"tenant name {name!r} is invalid: 1-128 characters of letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def _check_label(what: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str) or not value or len(value) > limit or not value.isprintable():
+        raise InvalidRequestError(f"{what} must be a printable string of 1-{limit} characters")
+    return value
+
+
+class TenantKV:
+    """A tenantkv cache. Create with :func:`tenantkv.open`; close with :meth:`close` or ``with``."""
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        database: Database,
+        block_store: BlockStore,
+        key_wrapper: KeyWrapper,
+        suite: CipherSuite = DEFAULT_SUITE,
+        strict: bool = False,
+        workers: int | None = None,
+        window: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        from .keyring import Keyring
+
+        self.root = root
+        self.db = database
+        self.store_backend = block_store
+        self.keyring = Keyring(key_wrapper)
+        self.suite = suite
+        self.strict = strict
+        self.clock = clock
+        self.events = SecurityEventLog()
+        self.workers = workers or os.cpu_count() or 1
+        # Layers in flight per load/store: enough to keep every worker busy, bounded in memory.
+        self.window = window or 2 * self.workers
+        self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv")
+        self._closed = False
+        self._lock = threading.Lock()
+        self.db.create_schema()
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.store_backend.close()
+        self.db.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    def create_tenant(self, name: str) -> TenantInfo:
+        """Create a tenant with a fresh data key; a duplicate name raises TenantExistsError."""
+        self._check_open()
+        _check_tenant_name(name)
+        tenant_id = secrets.token_bytes(16)
+        now = self.clock()
+        wrapped = self.keyring.new_data_key(tenant_id, 1)
+        try:
+            with self.db.write() as session:
+                if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+                    raise TenantExistsError(f"tenant {name!r} already exists")
+                session.add(Tenant(id=tenant_id, name=name, created_at=now, current_key_version=1))
+                session.flush()
+                session.add(
+                    DataKey(tenant_id=tenant_id, version=1, wrapped_key=wrapped, created_at=now)
+                )
+        except IntegrityError as err:  # a concurrent create won the race
+            raise TenantExistsError(f"tenant {name!r} already exists") from err
+        return TenantInfo(name=name, created_at=now, key_version=1)
+
+    def get_tenant(self, name: str) -> TenantInfo:
+        self._check_open()
+        with self.db.read() as session:
+            row = session.scalar(select(Tenant).where(Tenant.name == name))
+        if row is None:
+            raise TenantNotFoundError(f"no tenant named {name!r}")
+        return TenantInfo(
+            name=row.name, created_at=row.created_at, key_version=row.current_key_version
+        )
+
+    def list_tenants(self) -> list[TenantInfo]:
+        self._check_open()
+        with self.db.read() as session:
+            rows = session.scalars(select(Tenant).order_by(Tenant.name)).all()
+        return [TenantInfo(r.name, r.created_at, r.current_key_version) for r in rows]
+
+    # ---- namespaces ---------------------------------------------------------------------------
+
+    def namespace(
+        self,
+        tenant: str,
+        *,
+        model: str,
+        layout: KVLayout,
+        scope: str | None = None,
+        revision: str | None = None,
+    ) -> Namespace:
+        """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
+        self._check_open()
+        _check_tenant_name(tenant)
+        _check_label("model", model, _MAX_MODEL)
+        if scope is not None:
+            _check_label("scope", scope, _MAX_SCOPE)
+        if revision is not None:
+            _check_label("revision", revision, _MAX_MODEL)
+        if not isinstance(layout, KVLayout):
+            raise InvalidRequestError("layout must be a tenantkv.KVLayout")
+        fingerprint = model_fingerprint(model, revision, layout.describe())
+        scope_value = scope or ""
+        for _attempt in range(2):
+            with self.db.read() as session:
+                tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
+                if tenant_id is None:
+                    raise TenantNotFoundError(f"no tenant named {tenant!r}")
+                row = session.scalar(
+                    select(NamespaceRow).where(
+                        NamespaceRow.tenant_id == tenant_id,
+                        NamespaceRow.scope == scope_value,
+                        NamespaceRow.fingerprint == fingerprint.hex(),
+                    )
+                )
+            if row is None:
+                row = self._create_namespace(tenant_id, scope_value, model, fingerprint.hex())
+                if row is None:
+                    continue  # lost a creation race; read the winner's row
+            hash_key = self.keyring.namespace_key(tenant_id, row.id, row.wrapped_hash_key)
+            identity = NamespaceIdentity(row.id, tenant_id, tenant, scope, model, fingerprint)
+            return Namespace(self, identity, layout, hash_key)
+        raise RuntimeError("namespace creation did not converge")  # pragma: no cover
+
+    def _create_namespace(
+        self, tenant_id: bytes, scope: str, model: str, fingerprint: str
+    ) -> NamespaceRow | None:
+        namespace_id = secrets.token_bytes(16)
+        wrapped = self.keyring.new_namespace_key(tenant_id, namespace_id)
+        row = NamespaceRow(
+            id=namespace_id,
+            tenant_id=tenant_id,
+            scope=scope,
+            model=model,
+            fingerprint=fingerprint,
+            wrapped_hash_key=wrapped,
+            created_at=self.clock(),
+        )
+        try:
+            with self.db.write() as session:
+                session.add(row)
+        except IntegrityError:
+            return None
+        return row
+
+    # ---- maintenance --------------------------------------------------------------------------
+
+    def drop_extent(self, extent_id: str) -> None:
+        """Remove an extent from the index (first) and the block store (second)."""
+        with self.db.write() as session:
+            session.execute(delete(Block).where(Block.extent_id == extent_id))
+            session.execute(delete(Extent).where(Extent.id == extent_id))
+        try:
+            self.store_backend.delete(extent_id)
+        except StorageError as err:
+            logger.warning(
+                "could not delete extent %s (left for the orphan sweep): %s", extent_id, err
+            )
+
+    def suite_of(self, value: int) -> CipherSuite:
+        return CipherSuite(value)
+
+    def security_events(self) -> dict[str, int]:
+        """Counts of security events recorded by this process, by kind."""
+        return self.events.counts()
+
+    def recent_security_events(self) -> list[SecurityEvent]:
+        return self.events.recent()
+
+    def info(self) -> dict[str, Any]:
+        """A summary for operators: where things live and how much is cached."""
+        self._check_open()
+        with self.db.read() as session:
+            tenants = session.scalar(select(func.count()).select_from(Tenant)) or 0
+            namespaces = session.scalar(select(func.count()).select_from(NamespaceRow)) or 0
+            extents = session.scalar(select(func.count()).select_from(Extent)) or 0
+            blocks = session.scalar(select(func.count()).select_from(Block)) or 0
+            stored_bytes = (
+                session.scalar(
+                    select(
+                        func.coalesce(
+                            func.sum(Extent.num_blocks * Extent.num_layers * Extent.segment_bytes),
+                            0,
+                        )
+                    )
+                )
+                or 0
+            )
+        return {
+            "root": str(self.root),
+            "database": self.db.engine.url.render_as_string(hide_password=True),
+            "schema_version": self.db.schema_version(),
+            "cipher_suite": self.suite.name,
+            "tenants": int(tenants),
+            "namespaces": int(namespaces),
+            "extents": int(extents),
+            "blocks": int(blocks),
+            "cached_tokens": int(blocks) * 64,
+            "stored_bytes": int(stored_bytes),
+            "workers": self.workers,
+        }
+
+
+def open(
+    root: str | os.PathLike[str],
+    *,
+    database_url: str | None = None,
+    master_key: MasterKeyProvider | KeyWrapper | None = None,
+    block_store: BlockStore | None = None,
+    suite: CipherSuite | str | int = DEFAULT_SUITE,
+    durable: bool = True,
+    strict: bool = False,
+    workers: int | None = None,
+    clock: Callable[[], float] = time.time,
+) -> TenantKV:
+    """Open (creating if needed) a cache rooted at ``root``.
+
+    Defaults are the embedded setup: SQLite index ``<root>/index.db`` (WAL), extents under
+    ``<root>/blocks``, master key from ``TENANTKV_MASTER_KEY`` or the key file
+    ``<root>/master.key`` (created 0600 on first use). ``strict=True`` raises
+    CacheUnavailableError where the serving path would otherwise degrade to a miss.
+    """
+    root_path = Path(root)
+    root_path.mkdir(parents=True, exist_ok=True)
+    url = database_url or f"sqlite:///{root_path / 'index.db'}"
+    wrapper: KeyWrapper
+    if master_key is None:
+        wrapper = KeyEncryptionKey(default_master_key_provider(root_path / "master.key").load())
+    elif isinstance(master_key, KeyWrapper):
+        wrapper = master_key
+    else:
+        wrapper = KeyEncryptionKey(master_key.load())
+    store = block_store or LocalBlockStore(root_path / "blocks", durable=durable)
+    try:
+        parsed_suite = CipherSuite.parse(suite)
+    except ValueError as err:
+        raise InvalidRequestError(str(err)) from None
+    return TenantKV(
+        root=root_path,
+        database=Database(url),
+        block_store=store,
+        key_wrapper=wrapper,
+        suite=parsed_suite,
+        strict=strict,
+        workers=workers,
+        clock=clock,
+    )

@@ -1,0 +1,92 @@
+"""Engine and transactions of the metadata index (SQLite in WAL mode by default).
+
+SQLite write transactions begin with ``BEGIN IMMEDIATE``: a deferred transaction that reads and
+then writes can fail at once with SQLITE_BUSY when another connection wrote in between, whereas an
+immediate one waits (``busy_timeout``) for the write lock. Read transactions stay deferred so
+lookups never wait on writers (WAL lets readers run beside one writer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from .models import Base, SchemaInfo
+
+SCHEMA_VERSION = "1"
+_IMMEDIATE = "tenantkv_immediate"
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        immediate = connection.get_execution_options().get(_IMMEDIATE, False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+class Database:
+    """Owns the engine; hands out read and write sessions."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        is_sqlite = url.startswith("sqlite")
+        connect_args: dict[str, Any] = {"check_same_thread": False} if is_sqlite else {}
+        self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
+        if is_sqlite:
+            _configure_sqlite(self.engine)
+        self._write_engine = self.engine.execution_options(**{_IMMEDIATE: True})
+        self.dialect = self.engine.dialect.name
+
+    def create_schema(self) -> None:
+        Base.metadata.create_all(self.engine)
+        with self.write() as session:
+            row = session.get(SchemaInfo, "schema_version")
+            if row is None:
+                session.add(SchemaInfo(name="schema_version", value=SCHEMA_VERSION))
+            elif row.value != SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"index schema version {row.value} is not supported "
+                    f"(this tenantkv writes version {SCHEMA_VERSION})"
+                )
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            yield session
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Session]:
+        with Session(self._write_engine, expire_on_commit=False) as session, session.begin():
+            yield session
+
+    def insert_ignoring_duplicates(self, table: Any) -> Any:
+        """An INSERT that skips rows whose primary key exists (races between stores)."""
+        if self.dialect == "sqlite":
+            return sqlite.insert(table).on_conflict_do_nothing()
+        if self.dialect == "postgresql":
+            return postgresql.insert(table).on_conflict_do_nothing()
+        raise NotImplementedError(f"database dialect {self.dialect!r} is not supported")
+
+    def schema_version(self) -> str | None:
+        with self.read() as session:
+            return session.scalar(
+                select(SchemaInfo.value).where(SchemaInfo.name == "schema_version")
+            )
+
+    def close(self) -> None:
+        self.engine.dispose()

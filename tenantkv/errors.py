@@ -1,0 +1,58 @@
+"""Error families of tenantkv. Each failure family has one type; callers catch the family.
+
+* :class:`InvalidRequestError` -- the caller's input is wrong (tokens, layers, names, arguments).
+  Nothing was changed.
+* :class:`TenantExistsError`, :class:`TenantNotFoundError` -- tenant lifecycle.
+* :class:`CacheMissError` -- a load asked for a prefix that is not (or no longer) cached.
+* :class:`LoadError` -- a load failed after it started; it says how many layers were delivered.
+  :class:`SegmentIntegrityError` is the case where stored bytes failed to open (tampering or
+  corruption): the extent has been dropped and a security event recorded.
+* :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
+  serving path degrades to a miss).
+"""
+
+from __future__ import annotations
+
+
+class TenantKVError(Exception):
+    """Base class of every error tenantkv raises on purpose."""
+
+
+class InvalidRequestError(TenantKVError, ValueError):
+    """The request is malformed; nothing was changed."""
+
+
+class TenantExistsError(TenantKVError):
+    """A tenant with this name already exists."""
+
+
+class TenantNotFoundError(TenantKVError):
+    """No tenant has this name."""
+
+
+class CacheMissError(TenantKVError):
+    """The requested prefix is not cached (or not all of it is)."""
+
+
+class CacheClosedError(TenantKVError):
+    """The cache (or a stream of it) was used after close()."""
+
+
+class CacheUnavailableError(TenantKVError):
+    """The index or block store failed; raised only in strict mode."""
+
+
+class LoadError(TenantKVError):
+    """A load stopped before delivering every layer.
+
+    ``delivered_layers`` is how many layers, from layer 0, were handed to the caller intact before
+    the failure; any layer at or after it must not be used.
+    """
+
+    def __init__(self, message: str, *, delivered_layers: int) -> None:
+        super().__init__(message)
+        self.delivered_layers = delivered_layers
+
+
+class SegmentIntegrityError(LoadError):
+    """A stored segment failed to open: the extent was evicted and a security event recorded."""

@@ -1,0 +1,78 @@
+"""Tenant data keys and namespace hashing keys: creation, wrapping, and a cache of unwrapped keys.
+
+Every key is random, wrapped by the master key (or a KMS) with a context naming its owner and
+purpose, and stored wrapped in the index. Unwrapped keys are cached in memory only; a tenant's
+entries are dropped when the tenant is deleted.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+from .crypto import KeyWrapper, new_key
+
+_DEK_CONTEXT = b"tenantkv/dek\x00"
+_NSK_CONTEXT = b"tenantkv/nsk\x00"
+
+
+def data_key_context(tenant_id: bytes, version: int) -> bytes:
+    return _DEK_CONTEXT + tenant_id + struct.pack(">I", version)
+
+
+def namespace_key_context(tenant_id: bytes, namespace_id: bytes) -> bytes:
+    return _NSK_CONTEXT + tenant_id + namespace_id
+
+
+class Keyring:
+    """Wraps new keys and unwraps stored ones, caching the results."""
+
+    def __init__(self, wrapper: KeyWrapper) -> None:
+        self._wrapper = wrapper
+        self._lock = threading.Lock()
+        self._data_keys: dict[tuple[bytes, int], bytes] = {}
+        self._namespace_keys: dict[bytes, bytes] = {}
+
+    def new_data_key(self, tenant_id: bytes, version: int) -> bytes:
+        """A fresh data key, returned wrapped (the clear key is cached for this process)."""
+        key = new_key()
+        wrapped = self._wrapper.wrap(key, data_key_context(tenant_id, version))
+        with self._lock:
+            self._data_keys[(tenant_id, version)] = key
+        return wrapped
+
+    def data_key(self, tenant_id: bytes, version: int, wrapped: bytes) -> bytes:
+        """The clear data key; raises SealOpenError if ``wrapped`` does not open."""
+        with self._lock:
+            cached = self._data_keys.get((tenant_id, version))
+        if cached is not None:
+            return cached
+        key = self._wrapper.unwrap(wrapped, data_key_context(tenant_id, version))
+        with self._lock:
+            self._data_keys[(tenant_id, version)] = key
+        return key
+
+    def new_namespace_key(self, tenant_id: bytes, namespace_id: bytes) -> bytes:
+        key = new_key()
+        wrapped = self._wrapper.wrap(key, namespace_key_context(tenant_id, namespace_id))
+        with self._lock:
+            self._namespace_keys[namespace_id] = key
+        return wrapped
+
+    def namespace_key(self, tenant_id: bytes, namespace_id: bytes, wrapped: bytes) -> bytes:
+        with self._lock:
+            cached = self._namespace_keys.get(namespace_id)
+        if cached is not None:
+            return cached
+        key = self._wrapper.unwrap(wrapped, namespace_key_context(tenant_id, namespace_id))
+        with self._lock:
+            self._namespace_keys[namespace_id] = key
+        return key
+
+    def forget_tenant(self, tenant_id: bytes, namespace_ids: list[bytes]) -> None:
+        """Drop a tenant's cached clear keys (after its wrapped keys were destroyed)."""
+        with self._lock:
+            for key in [k for k in self._data_keys if k[0] == tenant_id]:
+                del self._data_keys[key]
+            for namespace_id in namespace_ids:
+                self._namespace_keys.pop(namespace_id, None)

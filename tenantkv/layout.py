@@ -1,0 +1,160 @@
+"""KV layouts: how one layer of a prefix cache is shaped, and how it maps to bytes.
+
+Two layouts:
+
+* **MLA** (DeepSeek-V2/V3): per token and layer one latent ``c_KV`` (``kv_lora_rank`` values) and
+  one decoupled RoPE key ``k_pe`` (``rope_dim`` values). A layer is one tensor
+  ``[T, kv_lora_rank + rope_dim]``.
+* **MHA/GQA** (Llama, Qwen): a layer is a pair ``(k, v)``, each ``[T, num_kv_heads, head_dim]``.
+  On disk a token's row is ``k_t || v_t``, so a loaded layer is one buffer ``[T, 2, H, D]`` and
+  ``k``/``v`` are zero-copy views into it.
+
+Every layout stores a fixed number of bytes per token and layer (:attr:`KVLayout.token_bytes`),
+so a 64-token block of one layer is a fixed-size segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .errors import InvalidRequestError
+
+Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+SUPPORTED_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape and dtype of one model's per-layer KV cache. Build with :meth:`mla`/:meth:`mha`."""
+
+    kind: Literal["mla", "mha"]
+    num_layers: int
+    dtype: torch.dtype
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> KVLayout:
+        _positive("num_layers", num_layers)
+        _positive("kv_lora_rank", kv_lora_rank)
+        _positive("rope_dim", rope_dim)
+        cls._check_dtype(dtype)
+        return cls("mla", num_layers, dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+
+    @classmethod
+    def mha(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
+        _positive("num_layers", num_layers)
+        _positive("num_kv_heads", num_kv_heads)
+        _positive("head_dim", head_dim)
+        cls._check_dtype(dtype)
+        return cls("mha", num_layers, dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    @staticmethod
+    def _check_dtype(dtype: torch.dtype) -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(SUPPORTED_DTYPES.values())
+            raise InvalidRequestError(f"dtype {dtype} is not supported; use one of {names}")
+
+    @property
+    def values_per_token(self) -> int:
+        """Values of one token in one layer."""
+        if self.kind == "mla":
+            return self.kv_lora_rank + self.rope_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one layer."""
+        return self.values_per_token * self.dtype.itemsize
+
+    def describe(self) -> dict[str, Any]:
+        """A canonical description, hashed into the namespace's model fingerprint."""
+        info: dict[str, Any] = {
+            "kind": self.kind,
+            "num_layers": self.num_layers,
+            "dtype": SUPPORTED_DTYPES[self.dtype],
+        }
+        if self.kind == "mla":
+            info.update(kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim)
+        else:
+            info.update(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        return info
+
+    # ---- tensors <-> bytes -------------------------------------------------------------------
+
+    def _check_tensor(self, what: str, tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != self.dtype:
+            raise InvalidRequestError(
+                f"{what} has dtype {tensor.dtype}, the layout says {self.dtype}"
+            )
+        if tuple(tensor.shape) != shape:
+            raise InvalidRequestError(
+                f"{what} has shape {list(tensor.shape)}, the layout expects {list(shape)}"
+            )
+        return tensor
+
+    def layer_rows(self, layer: Any, index: int, num_tokens: int) -> torch.Tensor:
+        """Validate one layer of ``num_tokens`` tokens; return it as ``[T, token_bytes]`` uint8."""
+        if self.kind == "mla":
+            tensor = self._check_tensor(
+                f"layer {index}", layer, (num_tokens, self.values_per_token)
+            )
+            rows = tensor.detach().to("cpu").contiguous().view(torch.uint8)
+        else:
+            if (
+                not isinstance(layer, Sequence)
+                or isinstance(layer, torch.Tensor)
+                or len(layer) != 2
+            ):
+                raise InvalidRequestError(f"layer {index} must be a (k, v) pair of tensors")
+            shape = (num_tokens, self.num_kv_heads, self.head_dim)
+            k = self._check_tensor(f"layer {index} k", layer[0], shape)
+            v = self._check_tensor(f"layer {index} v", layer[1], shape)
+            if k.device != v.device:
+                raise InvalidRequestError(f"layer {index}: k and v are on different devices")
+            pair = torch.stack((k.detach(), v.detach()), dim=1).to("cpu")
+            rows = pair.view(torch.uint8)
+        return rows.reshape(num_tokens, self.token_bytes)
+
+    def validate_layers(self, layers: Any, num_tokens: int) -> list[torch.Tensor]:
+        """All layers as ``[T, token_bytes]`` uint8 CPU tensors, or InvalidRequestError."""
+        if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
+            raise InvalidRequestError(
+                f"layers must be a sequence of {self.num_layers} per-layer entries"
+            )
+        if len(layers) != self.num_layers:
+            raise InvalidRequestError(f"got {len(layers)} layers, the layout has {self.num_layers}")
+        return [self.layer_rows(layer, i, num_tokens) for i, layer in enumerate(layers)]
+
+    def empty_rows(self, num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """An uninitialised ``[T, token_bytes]`` uint8 buffer for one loaded layer."""
+        return torch.empty((num_tokens, self.token_bytes), dtype=torch.uint8, device=device)
+
+    def layer_from_rows(self, rows: torch.Tensor) -> Layer:
+        """Typed views of a loaded ``[T, token_bytes]`` uint8 buffer (no copy)."""
+        num_tokens = rows.shape[0]
+        values = rows.view(self.dtype)
+        if self.kind == "mla":
+            return values.view(num_tokens, self.values_per_token)
+        pair = values.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
+        return pair[:, 0], pair[:, 1]

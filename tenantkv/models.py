@@ -1,0 +1,95 @@
+"""SQLAlchemy models of the metadata index.
+
+Nothing here identifies tokens in clear: block rows carry keyed prefix hashes (see ``prefix.py``),
+data and namespace keys are stored wrapped by the master key.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import ForeignKey, Index, LargeBinary, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SchemaInfo(Base):
+    """One row per setting of the index itself (schema version)."""
+
+    __tablename__ = "tkv_schema"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
+class Tenant(Base):
+    __tablename__ = "tkv_tenants"
+
+    id: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[float]
+    current_key_version: Mapped[int]
+
+
+class DataKey(Base):
+    """A tenant's data key (DEK) version, wrapped by the master key."""
+
+    __tablename__ = "tkv_data_keys"
+
+    tenant_id: Mapped[bytes] = mapped_column(
+        ForeignKey("tkv_tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    version: Mapped[int] = mapped_column(primary_key=True)
+    wrapped_key: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float]
+
+
+class Namespace(Base):
+    """(tenant, scope, model fingerprint) with its own prefix-hashing key."""
+
+    __tablename__ = "tkv_namespaces"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "fingerprint"),)
+
+    id: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
+    tenant_id: Mapped[bytes] = mapped_column(ForeignKey("tkv_tenants.id", ondelete="CASCADE"))
+    scope: Mapped[str] = mapped_column(String(256))  # "" for the tenant-wide scope
+    model: Mapped[str] = mapped_column(String(256))
+    fingerprint: Mapped[str] = mapped_column(String(64))  # sha256 hex of model + layout
+    wrapped_hash_key: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float]
+
+
+class Extent(Base):
+    """One store call's sealed segments, kept as one object in the block store."""
+
+    __tablename__ = "tkv_extents"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # block-store id
+    namespace_id: Mapped[bytes] = mapped_column(
+        ForeignKey("tkv_namespaces.id", ondelete="CASCADE"), index=True
+    )
+    key_version: Mapped[int]
+    suite: Mapped[int]
+    salt: Mapped[bytes] = mapped_column(LargeBinary(16))
+    num_blocks: Mapped[int]
+    num_layers: Mapped[int]
+    segment_bytes: Mapped[int]  # plaintext bytes of one (block, layer) segment
+    created_at: Mapped[float]
+
+
+class Block(Base):
+    """A cached 64-token block of a namespace, found by its keyed prefix hash."""
+
+    __tablename__ = "tkv_blocks"
+    __table_args__ = (Index("ix_tkv_blocks_extent", "extent_id"),)
+
+    namespace_id: Mapped[bytes] = mapped_column(
+        ForeignKey("tkv_namespaces.id", ondelete="CASCADE"), primary_key=True
+    )
+    block_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    extent_id: Mapped[str] = mapped_column(ForeignKey("tkv_extents.id", ondelete="CASCADE"))
+    slot: Mapped[int]  # index of the block inside its extent
+    position: Mapped[int]  # index of the block inside the prefix (0 = first 64 tokens)
+    stored_at: Mapped[float]
+    last_used_at: Mapped[float]

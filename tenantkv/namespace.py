@@ -1,0 +1,436 @@
+"""A namespace: one tenant's (optionally scoped) cache for one model fingerprint.
+
+``store`` seals new full blocks into one layer-major extent and indexes them; ``lookup`` finds the
+longest cached prefix; ``load`` streams a cached prefix layer by layer. Nothing is shared across
+namespaces: each has its own hashing key, so identical tokens give unrelated block keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import SQLAlchemyError
+
+from .crypto import ExtentCipher, SegmentContext, new_salt
+from .errors import (
+    CacheMissError,
+    CacheUnavailableError,
+    InvalidRequestError,
+    SegmentIntegrityError,
+    TenantNotFoundError,
+)
+from .extent_format import ExtentGeometry
+from .layout import KVLayout
+from .loader import ExtentFailure, LoadStream, open_readers
+from .models import Block, DataKey, Extent, Tenant
+from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
+from .read_plan import PlannedExtent, ReadPlan, group_runs
+from .storage import StorageError
+from .tokens import as_token_array
+
+if TYPE_CHECKING:
+    from .cache import TenantKV
+
+logger = logging.getLogger("tenantkv")
+
+# SQLite allows 32,766 bound parameters; stay far below it and below PostgreSQL's limits.
+_QUERY_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class NamespaceIdentity:
+    namespace_id: bytes
+    tenant_id: bytes
+    tenant: str
+    scope: str | None
+    model: str
+    fingerprint: Fingerprint
+
+
+class Namespace:
+    """Store, look up and load prefix caches of one (tenant, scope, model fingerprint)."""
+
+    def __init__(
+        self, kv: TenantKV, identity: NamespaceIdentity, layout: KVLayout, hash_key: bytes
+    ) -> None:
+        self._kv = kv
+        self.identity = identity
+        self.layout = layout
+        self._hash_key = hash_key
+
+    @property
+    def tenant(self) -> str:
+        return self.identity.tenant
+
+    @property
+    def scope(self) -> str | None:
+        return self.identity.scope
+
+    @property
+    def model(self) -> str:
+        return self.identity.model
+
+    def __repr__(self) -> str:
+        return (
+            f"Namespace(tenant={self.tenant!r}, scope={self.scope!r}, model={self.model!r}, "
+            f"layout={self.layout.kind})"
+        )
+
+    # ---- keys and index queries ---------------------------------------------------------------
+
+    def _keys(self, tokens: Any) -> list[BlockKey]:
+        return block_keys(self._hash_key, self.identity.fingerprint, as_token_array(tokens))
+
+    def _present_rows(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> dict[bytes, Block]:
+        """Index rows of ``keys`` that exist, queried in chunks.
+
+        With ``stop_at_gap`` the query stops after the first chunk that misses a key, since
+        nothing after a gap can extend the prefix.
+        """
+        found: dict[bytes, Block] = {}
+        with self._kv.db.read() as session:
+            for start in range(0, len(keys), _QUERY_CHUNK):
+                chunk = list(keys[start : start + _QUERY_CHUNK])
+                rows = session.scalars(
+                    select(Block).where(
+                        Block.namespace_id == self.identity.namespace_id,
+                        Block.block_key.in_(chunk),
+                    )
+                ).all()
+                found.update((row.block_key, row) for row in rows)
+                if stop_at_gap and len(rows) < len(chunk):
+                    break
+        return found
+
+    @staticmethod
+    def _run_from_zero(keys: Sequence[BlockKey], present: dict[bytes, Block]) -> int:
+        count = 0
+        for key in keys:
+            if key not in present:
+                break
+            count += 1
+        return count
+
+    # ---- lookup -------------------------------------------------------------------------------
+
+    def lookup(self, tokens: Any) -> int:
+        """Length of the longest cached prefix of ``tokens`` (a multiple of 64; 0 on a miss).
+
+        Index failures degrade to 0 (logged) unless the cache was opened with ``strict=True``.
+        """
+        keys = self._keys(tokens)
+        if not keys:
+            return 0
+        try:
+            present = self._present_rows(keys, stop_at_gap=True)
+        except SQLAlchemyError as err:
+            return self._degrade("lookup", err, 0)
+        return self._run_from_zero(keys, present) * BLOCK_TOKENS
+
+    # ---- store --------------------------------------------------------------------------------
+
+    def store(self, tokens: Any, layers: Sequence[Any]) -> int:
+        """Store the full 64-token blocks of ``tokens`` that are not cached yet.
+
+        ``layers`` holds one entry per model layer covering every token of ``tokens``: a tensor
+        ``[T, kv_lora_rank + rope_dim]`` (MLA) or a pair ``(k, v)`` of ``[T, heads, head_dim]``
+        (MHA). Returns the number of tokens newly stored. Input is validated before anything is
+        written; a storage or index failure stores nothing (and returns 0 unless strict).
+        """
+        token_array = as_token_array(tokens)
+        rows = self.layout.validate_layers(layers, len(token_array))
+        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        if not keys:
+            return 0
+        try:
+            present = self._present_rows(keys, stop_at_gap=False)
+            first_missing = self._run_from_zero(keys, present)
+            positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
+            if not positions:
+                return 0
+            return self._store_blocks(keys, positions, rows)
+        except (SQLAlchemyError, StorageError) as err:
+            return self._degrade("store", err, 0)
+
+    def _current_data_key(self) -> tuple[int, bytes]:
+        with self._kv.db.read() as session:
+            version = session.scalar(
+                select(Tenant.current_key_version).where(Tenant.id == self.identity.tenant_id)
+            )
+            if version is None:
+                raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
+            wrapped = session.scalar(
+                select(DataKey.wrapped_key).where(
+                    DataKey.tenant_id == self.identity.tenant_id, DataKey.version == version
+                )
+            )
+        if wrapped is None:
+            raise CacheUnavailableError(f"tenant {self.tenant!r} has no data key {version}")
+        return version, self._kv.keyring.data_key(self.identity.tenant_id, version, wrapped)
+
+    def _store_blocks(
+        self, keys: list[BlockKey], positions: list[int], rows: list[torch.Tensor]
+    ) -> int:
+        key_version, data_key = self._current_data_key()
+        suite = self._kv.suite
+        geometry = ExtentGeometry(
+            num_blocks=len(positions),
+            num_layers=self.layout.num_layers,
+            segment_bytes=BLOCK_TOKENS * self.layout.token_bytes,
+            suite=suite,
+        )
+        salt = new_salt()
+        context = SegmentContext(self.identity.tenant_id, key_version, self.identity.namespace_id)
+        cipher = ExtentCipher(data_key, salt, context, suite)
+        extent_id = self._write_extent(geometry, cipher, keys, positions, rows)
+        try:
+            inserted = self._index_extent(extent_id, geometry, key_version, salt, keys, positions)
+        except BaseException:
+            self._kv.store_backend.delete(extent_id)
+            raise
+        if inserted == 0:
+            self._kv.store_backend.delete(extent_id)  # another writer indexed these blocks first
+        return inserted * BLOCK_TOKENS
+
+    def _seal_layer(
+        self,
+        geometry: ExtentGeometry,
+        cipher: ExtentCipher,
+        layer: int,
+        keys: list[BlockKey],
+        positions: list[int],
+        rows: torch.Tensor,
+    ) -> bytearray:
+        sealed = geometry.sealed_bytes
+        plain = geometry.segment_bytes
+        out = bytearray(geometry.layer_stride)
+        out_view = memoryview(out)
+        source = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
+        for slot, position in enumerate(positions):
+            cipher.seal_into(
+                slot,
+                layer,
+                keys[position],
+                source[position * plain : (position + 1) * plain],
+                out_view[slot * sealed : (slot + 1) * sealed],
+            )
+        return out
+
+    def _write_extent(
+        self,
+        geometry: ExtentGeometry,
+        cipher: ExtentCipher,
+        keys: list[BlockKey],
+        positions: list[int],
+        rows: list[torch.Tensor],
+    ) -> str:
+        """Seal layers on the worker pool (a bounded window ahead) and write them in order."""
+        executor = self._kv.executor
+        window = self._kv.window
+        pending: dict[int, Future[bytearray]] = {}
+
+        def submit(layer: int) -> None:
+            if layer < geometry.num_layers:
+                pending[layer] = executor.submit(
+                    self._seal_layer, geometry, cipher, layer, keys, positions, rows[layer]
+                )
+
+        with self._kv.store_backend.create() as writer:
+            try:
+                for layer in range(window):
+                    submit(layer)
+                writer.write(geometry.header())
+                for layer in range(geometry.num_layers):
+                    data = pending.pop(layer).result()
+                    submit(layer + window)
+                    writer.write(data)
+            finally:
+                for future in pending.values():
+                    future.cancel()
+            return writer.commit()
+
+    def _index_extent(
+        self,
+        extent_id: str,
+        geometry: ExtentGeometry,
+        key_version: int,
+        salt: bytes,
+        keys: list[BlockKey],
+        positions: list[int],
+    ) -> int:
+        now = self._kv.clock()
+        namespace_id = self.identity.namespace_id
+        with self._kv.db.write() as session:
+            session.add(
+                Extent(
+                    id=extent_id,
+                    namespace_id=namespace_id,
+                    key_version=key_version,
+                    suite=int(geometry.suite),
+                    salt=salt,
+                    num_blocks=geometry.num_blocks,
+                    num_layers=geometry.num_layers,
+                    segment_bytes=geometry.segment_bytes,
+                    created_at=now,
+                )
+            )
+            session.flush()
+            session.execute(
+                self._kv.db.insert_ignoring_duplicates(Block.__table__),
+                [
+                    {
+                        "namespace_id": namespace_id,
+                        "block_key": keys[position],
+                        "extent_id": extent_id,
+                        "slot": slot,
+                        "position": position,
+                        "stored_at": now,
+                        "last_used_at": now,
+                    }
+                    for slot, position in enumerate(positions)
+                ],
+            )
+            inserted = session.scalar(
+                select(func.count()).select_from(Block).where(Block.extent_id == extent_id)
+            )
+            if not inserted:
+                session.execute(delete(Extent).where(Extent.id == extent_id))
+        return int(inserted or 0)
+
+    # ---- load ---------------------------------------------------------------------------------
+
+    def load(self, tokens: Any, device: str | torch.device = "cpu") -> LoadStream:
+        """Stream the cached prefix ``tokens`` (whole 64-token blocks, all cached) layer by layer.
+
+        Raises :class:`CacheMissError` when any block is not cached and
+        :class:`SegmentIntegrityError` when an extent is found damaged before the first layer.
+        """
+        target = torch.device(device)
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device {target} is not available")
+        if target.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device {target} is not supported (use cpu or cuda)")
+        token_array = as_token_array(tokens)
+        if len(token_array) == 0 or len(token_array) % BLOCK_TOKENS:
+            raise InvalidRequestError(
+                f"load takes a whole number of 64-token blocks (got {len(token_array)} tokens); "
+                "use lookup() to find the cached length"
+            )
+        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        try:
+            plan = self._plan(keys)
+        except SQLAlchemyError as err:
+            raise CacheMissError(f"index unavailable: {err}") from err
+        try:
+            readers = open_readers(self._kv.store_backend, plan)
+        except ExtentFailure as failure:
+            self._handle_failure(failure)
+            raise SegmentIntegrityError(
+                "a cached extent is damaged or missing; the prefix was dropped", delivered_layers=0
+            ) from failure.cause
+        self._touch(keys)
+        return LoadStream(
+            plan=plan,
+            layout=self.layout,
+            readers=readers,
+            executor=self._kv.executor,
+            device=target,
+            window=self._kv.window,
+            on_failure=self._handle_failure,
+        )
+
+    def _plan(self, keys: list[BlockKey]) -> ReadPlan:
+        present = self._present_rows(keys, stop_at_gap=True)
+        cached = self._run_from_zero(keys, present)
+        if cached < len(keys):
+            raise CacheMissError(
+                f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
+            )
+        extent_ids = {present[key].extent_id for key in keys}
+        with self._kv.db.read() as session:
+            extents = {
+                row.id: row
+                for row in session.scalars(select(Extent).where(Extent.id.in_(extent_ids)))
+            }
+            versions = {row.key_version for row in extents.values()}
+            wrapped: dict[int, bytes] = {
+                version: key
+                for version, key in session.execute(
+                    select(DataKey.version, DataKey.wrapped_key).where(
+                        DataKey.tenant_id == self.identity.tenant_id,
+                        DataKey.version.in_(versions),
+                    )
+                ).tuples()
+            }
+        planned: dict[str, PlannedExtent] = {}
+        for extent_id, row in extents.items():
+            if row.key_version not in wrapped:
+                raise CacheMissError(f"data key version {row.key_version} is gone")
+            data_key = self._kv.keyring.data_key(
+                self.identity.tenant_id, row.key_version, wrapped[row.key_version]
+            )
+            suite = self._kv.suite_of(row.suite)
+            context = SegmentContext(
+                self.identity.tenant_id, row.key_version, self.identity.namespace_id
+            )
+            geometry = ExtentGeometry(row.num_blocks, row.num_layers, row.segment_bytes, suite)
+            if geometry.num_layers != self.layout.num_layers or geometry.segment_bytes != (
+                BLOCK_TOKENS * self.layout.token_bytes
+            ):
+                raise CacheMissError("an indexed extent does not match this namespace's layout")
+            planned[extent_id] = PlannedExtent(
+                extent_id, geometry, ExtentCipher(data_key, row.salt, context, suite)
+            )
+        return group_runs(
+            [(key, planned[present[key].extent_id], present[key].slot) for key in keys]
+        )
+
+    def _touch(self, keys: list[BlockKey]) -> None:
+        """Mark blocks as used now (for least-recently-used eviction); never fails a load."""
+        now = self._kv.clock()
+        try:
+            with self._kv.db.write() as session:
+                for start in range(0, len(keys), _QUERY_CHUNK):
+                    session.execute(
+                        update(Block)
+                        .where(
+                            Block.namespace_id == self.identity.namespace_id,
+                            Block.block_key.in_(keys[start : start + _QUERY_CHUNK]),
+                        )
+                        .values(last_used_at=now)
+                    )
+        except SQLAlchemyError as err:
+            logger.warning("could not record block use: %s", err)
+
+    # ---- failures -----------------------------------------------------------------------------
+
+    def _handle_failure(self, failure: ExtentFailure) -> None:
+        """Drop a damaged extent from the index and the store, and record a security event."""
+        if failure.integrity:
+            self._kv.events.record(
+                "segment_open_failed",
+                self.tenant,
+                f"extent {failure.extent_id} layer {failure.layer}: {failure.cause}",
+            )
+            self._kv.drop_extent(failure.extent_id)
+        else:
+            logger.warning("reading extent %s failed: %s", failure.extent_id, failure.cause)
+
+    def _degrade(self, operation: str, err: Exception, fallback: int) -> int:
+        if self._kv.strict:
+            raise CacheUnavailableError(f"{operation} failed: {err}") from err
+        logger.warning("%s degraded to a miss: %s", operation, err)
+        return fallback
+
+    def cached_blocks(self) -> Iterator[int]:
+        """Positions of this namespace's cached blocks (for checks and tests; no token data)."""
+        with self._kv.db.read() as session:
+            yield from session.scalars(
+                select(Block.position).where(Block.namespace_id == self.identity.namespace_id)
+            ).all()
