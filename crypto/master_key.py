@@ -99,8 +99,9 @@ def parse_key_text(text: str) -> bytes:
             return bytes.fromhex(text)
         except ValueError:
             pass
+    standard = text.replace("-", "+").replace("_", "/")  # accept urlsafe and standard alphabets
     try:
-        key = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        key = base64.b64decode(standard + "=" * (-len(standard) % 4), validate=True)
     except (binascii.Error, ValueError):
         key = b""
     if len(key) != KEY_BYTES:
@@ -144,13 +145,24 @@ class KeyFileProvider:
         return self._read()
 
     def _read(self) -> bytes:
+        try:
+            return self._read_checked()
+        except (FileNotFoundError, MasterKeyError):
+            raise
+        except OSError as err:
+            raise MasterKeyError(f"master key file {self.path} cannot be read: {err}") from err
+
+    def _read_checked(self) -> bytes:
         info = self.path.stat()
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise MasterKeyError(
                 f"master key file {self.path} is accessible to group or others "
                 f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
             )
-        text = self.path.read_text(encoding="ascii")
+        try:
+            text = self.path.read_text(encoding="ascii")
+        except UnicodeDecodeError:
+            raise MasterKeyError(f"master key file {self.path} is not a text key") from None
         if not text.strip():
             raise MasterKeyError(f"master key file {self.path} is empty")
         return parse_key_text(text)

@@ -101,7 +101,16 @@ class ExtentCipher:
         """The associated data of one segment (see the module docstring for the layout)."""
         if len(block_key) != BLOCK_KEY_BYTES:
             raise ValueError(f"a block key must be {BLOCK_KEY_BYTES} bytes")
+        if not 0 <= layer < 2**32 or not 0 <= length < 2**32:
+            raise ValueError(f"layer {layer} or length {length} is out of range")
         return self._aad_head + block_key + _AAD_TAIL.pack(layer, length)
+
+    @staticmethod
+    def nonce(layer: int, slot: int) -> bytes:
+        """The nonce of segment (layer, slot): unique within an extent."""
+        if not 0 <= layer < 2**32 or not 0 <= slot < 2**64:
+            raise ValueError(f"layer {layer} or slot {slot} is out of range")
+        return _NONCE.pack(layer, slot)
 
     def seal_into(
         self, slot: int, layer: int, block_key: bytes, plaintext: memoryview, out: memoryview
@@ -111,7 +120,7 @@ class ExtentCipher:
         if len(out) != length + TAG_BYTES:
             raise ValueError(f"output must hold {length + TAG_BYTES} bytes, has {len(out)}")
         aad = self.associated_data(block_key, layer, length)
-        self._aead.encrypt_into(_NONCE.pack(layer, slot), plaintext, aad, out)
+        self._aead.encrypt_into(self.nonce(layer, slot), plaintext, aad, out)
 
     def open_into(
         self, slot: int, layer: int, block_key: bytes, sealed: memoryview, out: memoryview
@@ -123,8 +132,12 @@ class ExtentCipher:
         length = len(sealed) - TAG_BYTES
         if length < 0 or len(out) != length:
             raise SealOpenError("sealed segment has the wrong length")
-        aad = self.associated_data(block_key, layer, length)
         try:
-            self._aead.decrypt_into(_NONCE.pack(layer, slot), sealed, aad, out)
+            aad = self.associated_data(block_key, layer, length)
+            nonce = self.nonce(layer, slot)
+        except ValueError:
+            raise SealOpenError("segment position is out of range") from None
+        try:
+            self._aead.decrypt_into(nonce, sealed, aad, out)
         except InvalidTag:
             raise SealOpenError("segment failed to open") from None

@@ -38,8 +38,10 @@ class CipherSuite(enum.IntEnum):
         """Accept a member, its number, or a name such as ``"aes-256-gcm"``."""
         if isinstance(value, CipherSuite):
             return value
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return cls(value)
+        if not isinstance(value, str):
+            raise ValueError(f"a cipher suite is a name or a number, not {type(value).__name__}")
         normalised = value.strip().upper().replace("-", "_")
         try:
             return cls[normalised]

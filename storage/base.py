@@ -59,7 +59,8 @@ class ExtentReader(abc.ABC):
     def readinto(self, offset: int, buffers: Sequence[Buffer]) -> None:
         """Fill ``buffers`` in order with the bytes starting at ``offset``.
 
-        Raises :class:`~.errors.ShortReadError` when the extent ends first.
+        Raises :class:`~.errors.ShortReadError` when the extent ends first (a read of zero bytes
+        succeeds anywhere).
         """
 
     @abc.abstractmethod

@@ -27,6 +27,7 @@ from .errors import ExtentNotFoundError, ShortReadError, StorageError
 
 _EXTENT_SUFFIX = ".tkx"
 _ID_PATTERN = re.compile(r"[0-9a-f]{32}")
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 def _fsync_dir(path: Path) -> None:
@@ -68,10 +69,13 @@ class _LocalWriter(ExtentWriter):
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
+            new_shard = not final.parent.exists()
             final.parent.mkdir(exist_ok=True)
             os.rename(self._temp, final)
             if self._store.durable:
                 _fsync_dir(final.parent)
+                if new_shard:  # the shard's own entry must be durable too
+                    _fsync_dir(self._store.extent_dir)
         except OSError as err:
             self.abort()
             raise StorageError(f"committing extent failed: {err}") from err
@@ -111,7 +115,8 @@ class _LocalReader(ExtentReader):
         wanted = sum(len(v) for v in views)
         done = 0
         while done < wanted:
-            # preadv may return short counts; continue with what is left of the buffers.
+            # preadv may return short counts and takes at most IOV_MAX buffers a call; continue
+            # with what is left.
             skip = done
             rest: list[memoryview] = []
             for view in views:
@@ -121,7 +126,7 @@ class _LocalReader(ExtentReader):
                 rest.append(view[skip:])
                 skip = 0
             try:
-                got = os.preadv(self._fd, rest, offset + done)
+                got = os.preadv(self._fd, rest[:_IOV_MAX], offset + done)
             except OSError as err:
                 raise StorageError(f"reading extent failed: {err}") from err
             if got == 0:
@@ -164,7 +169,7 @@ class LocalBlockStore(BlockStore):
     def delete(self, extent_id: str) -> bool:
         try:
             self.path_of(extent_id).unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, ExtentNotFoundError):
             return False
         except OSError as err:
             raise StorageError(f"deleting extent failed: {err}") from err

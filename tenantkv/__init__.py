@@ -13,6 +13,7 @@
 """
 
 from .cache import TenantInfo, TenantKV, open
+from .crypto import MasterKeyError
 from .errors import (
     CacheClosedError,
     CacheMissError,
@@ -41,6 +42,7 @@ __all__ = [
     "Layer",
     "LoadError",
     "LoadStream",
+    "MasterKeyError",
     "Namespace",
     "SegmentIntegrityError",
     "TenantExistsError",

@@ -23,13 +23,16 @@ from .crypto import (
     CipherSuite,
     KeyEncryptionKey,
     KeyWrapper,
+    MasterKeyError,
     MasterKeyProvider,
+    SealOpenError,
     default_master_key_provider,
+    new_key,
 )
 from .database import Database
 from .errors import CacheClosedError, InvalidRequestError, TenantExistsError, TenantNotFoundError
 from .layout import KVLayout
-from .models import Block, DataKey, Extent, Tenant
+from .models import Block, DataKey, Extent, SchemaInfo, Tenant
 from .models import Namespace as NamespaceRow
 from .namespace import Namespace, NamespaceIdentity
 from .prefix import model_fingerprint
@@ -41,6 +44,8 @@ logger = logging.getLogger("tenantkv")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_SCOPE = 256
 _MAX_MODEL = 256
+_KEY_CHECK = "master_key_check"
+_KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,31 @@ class TenantKV:
         self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv")
         self._closed = False
         self._lock = threading.Lock()
-        self.db.create_schema()
+        try:
+            self.db.create_schema()
+            self._check_master_key(key_wrapper)
+        except BaseException:
+            self.executor.shutdown(wait=False)
+            self.db.close()
+            raise
+
+    def _check_master_key(self, wrapper: KeyWrapper) -> None:
+        """Refuse a master key that is not the one this index was created with.
+
+        The index keeps a random value wrapped by its master key; a wrong key (a lost or swapped
+        key file, a wrong environment variable) fails here with a clear error instead of at the
+        first namespace.
+        """
+        with self.db.write() as session:
+            row = session.get(SchemaInfo, _KEY_CHECK)
+            if row is None:
+                blob = wrapper.wrap(new_key(), _KEY_CHECK_CONTEXT)
+                session.add(SchemaInfo(name=_KEY_CHECK, value=blob.hex()))
+                return
+        try:
+            wrapper.unwrap(bytes.fromhex(row.value), _KEY_CHECK_CONTEXT)
+        except SealOpenError:
+            raise MasterKeyError("the master key does not open this cache's index") from None
 
     # ---- lifetime -----------------------------------------------------------------------------
 
@@ -110,7 +139,7 @@ class TenantKV:
         self.store_backend.close()
         self.db.close()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise CacheClosedError("the cache is closed")
 
@@ -129,7 +158,7 @@ class TenantKV:
 
     def create_tenant(self, name: str) -> TenantInfo:
         """Create a tenant with a fresh data key; a duplicate name raises TenantExistsError."""
-        self._check_open()
+        self.check_open()
         _check_tenant_name(name)
         tenant_id = secrets.token_bytes(16)
         now = self.clock()
@@ -148,7 +177,7 @@ class TenantKV:
         return TenantInfo(name=name, created_at=now, key_version=1)
 
     def get_tenant(self, name: str) -> TenantInfo:
-        self._check_open()
+        self.check_open()
         with self.db.read() as session:
             row = session.scalar(select(Tenant).where(Tenant.name == name))
         if row is None:
@@ -158,7 +187,7 @@ class TenantKV:
         )
 
     def list_tenants(self) -> list[TenantInfo]:
-        self._check_open()
+        self.check_open()
         with self.db.read() as session:
             rows = session.scalars(select(Tenant).order_by(Tenant.name)).all()
         return [TenantInfo(r.name, r.created_at, r.current_key_version) for r in rows]
@@ -175,7 +204,7 @@ class TenantKV:
         revision: str | None = None,
     ) -> Namespace:
         """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
-        self._check_open()
+        self.check_open()
         _check_tenant_name(tenant)
         _check_label("model", model, _MAX_MODEL)
         if scope is not None:
@@ -254,7 +283,7 @@ class TenantKV:
 
     def info(self) -> dict[str, Any]:
         """A summary for operators: where things live and how much is cached."""
-        self._check_open()
+        self.check_open()
         with self.db.read() as session:
             tenants = session.scalar(select(func.count()).select_from(Tenant)) or 0
             namespaces = session.scalar(select(func.count()).select_from(NamespaceRow)) or 0
@@ -305,6 +334,10 @@ def open(
     ``<root>/master.key`` (created 0600 on first use). ``strict=True`` raises
     CacheUnavailableError where the serving path would otherwise degrade to a miss.
     """
+    try:
+        parsed_suite = CipherSuite.parse(suite)
+    except ValueError as err:
+        raise InvalidRequestError(str(err)) from None
     root_path = Path(root)
     root_path.mkdir(parents=True, exist_ok=True)
     url = database_url or f"sqlite:///{root_path / 'index.db'}"
@@ -316,10 +349,6 @@ def open(
     else:
         wrapper = KeyEncryptionKey(master_key.load())
     store = block_store or LocalBlockStore(root_path / "blocks", durable=durable)
-    try:
-        parsed_suite = CipherSuite.parse(suite)
-    except ValueError as err:
-        raise InvalidRequestError(str(err)) from None
     return TenantKV(
         root=root_path,
         database=Database(url),

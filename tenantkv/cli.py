@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from . import BLOCK_TOKENS, KVLayout, TenantExistsError, TenantKVError, __version__
+from . import (
+    BLOCK_TOKENS,
+    KVLayout,
+    MasterKeyError,
+    TenantExistsError,
+    TenantKVError,
+    __version__,
+)
 from . import open as open_cache
 
 DEFAULT_ROOT_ENV = "TENANTKV_ROOT"
@@ -156,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except TenantKVError as err:
+    except (TenantKVError, MasterKeyError) as err:
         print(f"tenantkv: {err}", file=sys.stderr)
         return 2
 

@@ -24,7 +24,7 @@ from .errors import CacheClosedError, InvalidRequestError, LoadError, SegmentInt
 from .extent_format import HEADER_BYTES
 from .layout import KVLayout, Layer
 from .read_plan import ReadPlan
-from .storage import BlockStore, ExtentReader, ShortReadError, StorageError
+from .storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
 
 _staging = threading.local()
 
@@ -55,8 +55,8 @@ FailureHandler = Callable[[ExtentFailure], None]
 def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
     """Open every extent of ``plan`` and check its size and header against the index.
 
-    Raises :class:`ExtentFailure` (integrity) for a missing, truncated or relabelled extent, after
-    closing whatever it opened.
+    Raises :class:`ExtentFailure` after closing whatever it opened: an integrity failure for a
+    missing, truncated or relabelled extent, a plain one for an I/O error.
     """
     readers: dict[str, ExtentReader] = {}
     try:
@@ -64,14 +64,13 @@ def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
             geometry = extent.geometry
             try:
                 reader = store.open(extent.extent_id)
-            except StorageError as err:
-                raise ExtentFailure(extent.extent_id, 0, err, integrity=True) from err
-            readers[extent.extent_id] = reader
-            header = bytearray(HEADER_BYTES)
-            try:
+                readers[extent.extent_id] = reader
+                header = bytearray(HEADER_BYTES)
                 reader.readinto(0, [header])
-            except StorageError as err:
+            except (ExtentNotFoundError, ShortReadError) as err:
                 raise ExtentFailure(extent.extent_id, 0, err, integrity=True) from err
+            except StorageError as err:  # EMFILE, EIO, ...: not evidence of tampering
+                raise ExtentFailure(extent.extent_id, 0, err, integrity=False) from err
             if reader.size != geometry.total_bytes or not geometry.matches_header(bytes(header)):
                 cause = SealOpenError("extent size or header does not match the index")
                 raise ExtentFailure(extent.extent_id, 0, cause, integrity=True)

@@ -22,6 +22,7 @@ from .errors import (
     CacheMissError,
     CacheUnavailableError,
     InvalidRequestError,
+    LoadError,
     SegmentIntegrityError,
     TenantNotFoundError,
 )
@@ -124,6 +125,7 @@ class Namespace:
 
         Index failures degrade to 0 (logged) unless the cache was opened with ``strict=True``.
         """
+        self._kv.check_open()
         keys = self._keys(tokens)
         if not keys:
             return 0
@@ -143,6 +145,7 @@ class Namespace:
         (MHA). Returns the number of tokens newly stored. Input is validated before anything is
         written; a storage or index failure stores nothing (and returns 0 unless strict).
         """
+        self._kv.check_open()
         token_array = as_token_array(tokens)
         rows = self.layout.validate_layers(layers, len(token_array))
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
@@ -311,7 +314,11 @@ class Namespace:
         Raises :class:`CacheMissError` when any block is not cached and
         :class:`SegmentIntegrityError` when an extent is found damaged before the first layer.
         """
-        target = torch.device(device)
+        self._kv.check_open()
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InvalidRequestError(f"unknown device {device!r}") from None
         if target.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError(f"device {target} is not available")
         if target.type not in ("cpu", "cuda"):
@@ -331,19 +338,29 @@ class Namespace:
             readers = open_readers(self._kv.store_backend, plan)
         except ExtentFailure as failure:
             self._handle_failure(failure)
+            if not failure.integrity:
+                raise LoadError(
+                    f"reading a cached extent failed: {failure.cause}", delivered_layers=0
+                ) from failure.cause
             raise SegmentIntegrityError(
                 "a cached extent is damaged or missing; the prefix was dropped", delivered_layers=0
             ) from failure.cause
-        self._touch(keys)
-        return LoadStream(
-            plan=plan,
-            layout=self.layout,
-            readers=readers,
-            executor=self._kv.executor,
-            device=target,
-            window=self._kv.window,
-            on_failure=self._handle_failure,
-        )
+        try:
+            stream = LoadStream(
+                plan=plan,
+                layout=self.layout,
+                readers=readers,
+                executor=self._kv.executor,
+                device=target,
+                window=self._kv.window,
+                on_failure=self._handle_failure,
+            )
+        except BaseException:
+            for reader in readers.values():
+                reader.close()
+            raise
+        self._touch(keys)  # after the first layers are queued, so it overlaps their reads
+        return stream
 
     def _plan(self, keys: list[BlockKey]) -> ReadPlan:
         present = self._present_rows(keys, stop_at_gap=True)
@@ -366,7 +383,7 @@ class Namespace:
                         DataKey.tenant_id == self.identity.tenant_id,
                         DataKey.version.in_(versions),
                     )
-                ).tuples()
+                )
             }
         planned: dict[str, PlannedExtent] = {}
         for extent_id, row in extents.items():

@@ -39,7 +39,7 @@ def as_token_array(tokens: Any) -> TokenArray:
         )
     if array.ndim != 1:
         raise InvalidRequestError(f"tokens must be 1-D, got shape {list(array.shape)}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
+    if not np.issubdtype(array.dtype, np.integer):
         raise InvalidRequestError(f"tokens must be integers, got {array.dtype}")
     if array.size and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
         raise InvalidRequestError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")

@@ -1,0 +1,59 @@
+"""Helpers shared by the tests: small layouts, random KV and tokens, comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+import tenantkv
+from tenantkv import KVLayout
+
+# Small layouts keep the suite fast; the benchmark covers the DeepSeek-V3 shape.
+MLA_SMALL = KVLayout.mla(num_layers=3, kv_lora_rank=32, rope_dim=8, dtype=torch.bfloat16)
+MHA_SMALL = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+
+
+def random_layers(
+    layout: KVLayout, num_tokens: int, seed: int = 0
+) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """Random per-layer KV for ``num_tokens`` tokens in ``layout``'s shape and dtype."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(layout.dtype)
+
+    layers: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(layout.num_layers):
+        if layout.kind == "mla":
+            layers.append(tensor(num_tokens, layout.values_per_token))
+        else:
+            shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
+            layers.append((tensor(*shape), tensor(*shape)))
+    return layers
+
+
+def random_tokens(num_tokens: int, seed: int = 0, vocab: int = 50_000) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (num_tokens,), generator=generator).tolist()
+
+
+def load_all(ns: tenantkv.Namespace, tokens: list[int]) -> list[tenantkv.Layer]:
+    """Load a cached prefix and return its layers in order (checks the order too)."""
+    out: list[tenantkv.Layer] = []
+    with ns.load(tokens) as stream:
+        for index, layer in stream:
+            assert index == len(out), f"layer {index} arrived after {len(out)} layers"
+            out.append(layer)
+    return out
+
+
+def layers_equal(a: tenantkv.Layer, b: tenantkv.Layer) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    assert isinstance(a, tuple) and isinstance(b, tuple)
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def prefix_of(layer: tenantkv.Layer, num_tokens: int) -> tenantkv.Layer:
+    if isinstance(layer, torch.Tensor):
+        return layer[:num_tokens]
+    return layer[0][:num_tokens], layer[1][:num_tokens]

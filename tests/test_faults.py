@@ -1,0 +1,118 @@
+"""Storage faults degrade to a miss or a typed error, never to lost or wrong data.
+
+The faults are injected by a real local block store whose operations can be made to fail the way
+a full disk or a broken mount fails (OSError inside the backend), so everything above the store
+runs for real.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+from typing_extensions import Buffer
+
+import tenantkv
+from tenantkv.storage import ExtentReader, ExtentWriter, LocalBlockStore, StorageError
+from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+
+
+class FaultyStore(LocalBlockStore):
+    """A LocalBlockStore whose open/write can be switched to fail like a broken disk."""
+
+    fail_open = False
+    fail_write = False
+
+    def open(self, extent_id: str) -> ExtentReader:
+        if self.fail_open:
+            raise StorageError(f"opening extent failed: {os.strerror(errno.EMFILE)}")
+        return super().open(extent_id)
+
+    def create(self) -> ExtentWriter:
+        writer = super().create()
+        if not self.fail_write:
+            return writer
+        real_write = writer.write
+
+        def write(data: Buffer) -> None:
+            real_write(memoryview(data)[:1])
+            writer.abort()
+            raise StorageError(f"writing extent failed: {os.strerror(errno.ENOSPC)}")
+
+        writer.write = write  # type: ignore[method-assign]
+        return writer
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> FaultyStore:
+    return FaultyStore(tmp_path / "cache" / "blocks", durable=False)
+
+
+def _open(tmp_path: Path, store: FaultyStore, strict: bool = False) -> tenantkv.TenantKV:
+    return tenantkv.open(tmp_path / "cache", block_store=store, strict=strict)
+
+
+def test_io_error_on_load_is_a_load_error_and_keeps_the_extent(
+    tmp_path: Path, faulty: FaultyStore
+) -> None:
+    tokens, layers = random_tokens(128), random_layers(MLA_SMALL, 128)
+    with _open(tmp_path, faulty) as kv:
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        ns.store(tokens, layers)
+        faulty.fail_open = True
+        with pytest.raises(tenantkv.LoadError) as caught:
+            ns.load(tokens)
+        assert not isinstance(caught.value, tenantkv.SegmentIntegrityError)
+        assert caught.value.delivered_layers == 0
+        assert kv.security_events() == {}  # an I/O error is not evidence of tampering
+        faulty.fail_open = False
+        assert ns.lookup(tokens) == 128  # nothing was dropped
+        for got, want in zip(load_all(ns, tokens), layers, strict=True):
+            assert layers_equal(got, want)
+
+
+def test_full_disk_on_store_stores_nothing_and_leaves_nothing(
+    tmp_path: Path, faulty: FaultyStore
+) -> None:
+    tokens, layers = random_tokens(192), random_layers(MLA_SMALL, 192)
+    with _open(tmp_path, faulty) as kv:
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        faulty.fail_write = True
+        assert ns.store(tokens, layers) == 0  # degrades to "nothing stored"
+        assert ns.lookup(tokens) == 0
+        assert kv.info()["extents"] == 0 and kv.info()["blocks"] == 0
+        assert list(faulty.list()) == []
+        assert list(faulty.temp_dir.iterdir()) == []
+        faulty.fail_write = False
+        assert ns.store(tokens, layers) == 192  # positive control: the disk is back
+        assert ns.lookup(tokens) == 192
+
+
+def test_strict_mode_raises_cache_unavailable(tmp_path: Path, faulty: FaultyStore) -> None:
+    tokens, layers = random_tokens(64), random_layers(MLA_SMALL, 64)
+    with _open(tmp_path, faulty, strict=True) as kv:
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        faulty.fail_write = True
+        with pytest.raises(tenantkv.CacheUnavailableError, match="store failed"):
+            ns.store(tokens, layers)
+        assert kv.info()["extents"] == 0
+
+
+def test_index_failure_on_lookup_degrades_to_a_miss(tmp_path: Path) -> None:
+    tokens, layers = random_tokens(64), random_layers(MLA_SMALL, 64)
+    with tenantkv.open(tmp_path / "cache", durable=False) as kv:
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        ns.store(tokens, layers)
+        assert ns.lookup(tokens) == 64
+        with kv.db.engine.begin() as connection:  # the index loses its tables
+            connection.exec_driver_sql("ALTER TABLE tkv_blocks RENAME TO tkv_blocks_lost")
+        assert ns.lookup(tokens) == 0
+        with kv.db.engine.begin() as connection:
+            connection.exec_driver_sql("ALTER TABLE tkv_blocks_lost RENAME TO tkv_blocks")
+        assert ns.lookup(tokens) == 64

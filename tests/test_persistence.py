@@ -1,0 +1,110 @@
+"""The cache survives reopening, and concurrent stores of one prefix leave one consistent entry."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import tenantkv
+from tenantkv import TenantKV
+from tenantkv.crypto import MasterKeyError
+from tenantkv.models import Block, Extent
+from tests.helpers import MHA_SMALL, MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+
+
+def test_reopen_after_close_keeps_the_cache(cache_root: Path) -> None:
+    tokens = random_tokens(200, seed=3)
+    layers = random_layers(MHA_SMALL, 200)
+    with tenantkv.open(cache_root) as kv:
+        kv.create_tenant("acme")
+        assert kv.namespace("acme", model="m", layout=MHA_SMALL).store(tokens, layers) == 192
+    with tenantkv.open(cache_root) as kv:
+        assert [t.name for t in kv.list_tenants()] == ["acme"]
+        ns = kv.namespace("acme", model="m", layout=MHA_SMALL)
+        assert ns.lookup(tokens) == 192
+        for got, want in zip(load_all(ns, tokens[:192]), layers, strict=True):
+            assert layers_equal(got, (want[0][:192], want[1][:192]))  # type: ignore[index]
+
+
+def test_reopen_with_another_master_key_is_refused(cache_root: Path) -> None:
+    tokens = random_tokens(64)
+    with tenantkv.open(cache_root) as kv:
+        kv.create_tenant("acme")
+        kv.namespace("acme", model="m", layout=MLA_SMALL).store(
+            tokens, random_layers(MLA_SMALL, 64)
+        )
+    key = (cache_root / "master.key").read_bytes()
+    (cache_root / "master.key").unlink()
+    with pytest.raises(MasterKeyError, match="does not open this cache"):
+        tenantkv.open(cache_root)  # a fresh key file is created, and does not match
+    (cache_root / "master.key").unlink()
+    (cache_root / "master.key").write_bytes(key)
+    (cache_root / "master.key").chmod(0o600)
+    with tenantkv.open(cache_root) as kv:  # positive control: the right key opens it again
+        assert kv.namespace("acme", model="m", layout=MLA_SMALL).lookup(tokens) == 64
+
+
+def test_two_threads_storing_the_same_prefix_leave_one_entry(kv: TenantKV) -> None:
+    kv.create_tenant("acme")
+    tokens = random_tokens(512, seed=7)
+    layers = random_layers(MLA_SMALL, 512)
+    results: list[int] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def store() -> None:
+        try:
+            ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+            barrier.wait()
+            results.append(ns.store(tokens, layers))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=store) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert sum(results) == 512  # every block was stored once, by one of the two
+    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    assert sorted(ns.cached_blocks()) == list(range(8))
+    with kv.db.read() as session:
+        extent_ids = {row for row in session.scalars(session.query(Extent.id).statement)}
+        referenced = {row for row in session.scalars(session.query(Block.extent_id).statement)}
+    assert extent_ids == referenced, "an extent row without blocks was left behind"
+    assert set(kv.store_backend.list()) == extent_ids, "an unreferenced extent file was left"
+    for got, want in zip(load_all(ns, tokens), layers, strict=True):
+        assert layers_equal(got, want)
+
+
+def test_many_threads_store_and_load_different_tenants(kv: TenantKV) -> None:
+    names = [f"t{i}" for i in range(4)]
+    for name in names:
+        kv.create_tenant(name)
+    data = {
+        name: (random_tokens(192, seed=i), random_layers(MLA_SMALL, 192, seed=i))
+        for i, name in enumerate(names)
+    }
+    errors: list[BaseException] = []
+
+    def work(name: str) -> None:
+        try:
+            ns = kv.namespace(name, model="m", layout=MLA_SMALL)
+            tokens, layers = data[name]
+            for _ in range(3):
+                ns.store(tokens, layers)
+                for got, want in zip(load_all(ns, tokens), layers, strict=True):
+                    assert layers_equal(got, want)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert kv.info()["blocks"] == 4 * 3
