@@ -27,6 +27,14 @@ class ExtentWriter(abc.ABC):
         """Append ``data`` to the extent."""
 
     @abc.abstractmethod
+    def write_at(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at byte ``offset``; safe to call from several threads at once.
+
+        Regions written must not overlap; the extent's size is the end of the furthest region.
+        Lets workers seal and write disjoint parts of an extent in parallel.
+        """
+
+    @abc.abstractmethod
     def commit(self) -> str:
         """Make the extent durable and visible; return its id."""
 

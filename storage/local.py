@@ -60,6 +60,20 @@ class _LocalWriter(ExtentWriter):
             self.abort()
             raise StorageError(f"writing extent failed: {err}") from err
 
+    def write_at(self, offset: int, data: Buffer) -> None:
+        fd = self._fd
+        if fd is None:
+            raise StorageError("extent writer is closed")
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view = view[written:]
+                offset += written
+        except OSError as err:
+            self.abort()
+            raise StorageError(f"writing extent failed: {err}") from err
+
     def commit(self) -> str:
         if self._fd is None or self._done:
             raise StorageError("extent writer is closed")

@@ -19,23 +19,13 @@ from typing import Self
 
 import torch
 
+from .buffers import thread_buffer
 from .crypto import SealOpenError
 from .errors import CacheClosedError, InvalidRequestError, LoadError, SegmentIntegrityError
 from .extent_format import HEADER_BYTES
 from .layout import KVLayout, Layer
 from .read_plan import ReadPlan
 from .storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
-
-_staging = threading.local()
-
-
-def _staging_buffer(size: int) -> memoryview:
-    """This thread's reusable ciphertext buffer, grown to at least ``size`` bytes."""
-    buffer: bytearray | None = getattr(_staging, "buffer", None)
-    if buffer is None or len(buffer) < size:
-        buffer = bytearray(size)
-        _staging.buffer = buffer
-    return memoryview(buffer)[:size]
 
 
 class ExtentFailure(Exception):
@@ -140,7 +130,7 @@ class LoadStream:
         for run in self._plan.runs:
             extent = run.extent
             sealed = extent.geometry.sealed_bytes
-            stage = _staging_buffer(run.count * sealed)
+            stage = thread_buffer(run.count * sealed)
             try:
                 self._readers[extent.extent_id].readinto(
                     extent.geometry.offset(layer, run.first_slot), [stage]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ import torch
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
+from .buffers import thread_buffer
 from .crypto import ExtentCipher, SegmentContext, new_salt
 from .errors import (
     CacheMissError,
@@ -32,7 +34,7 @@ from .loader import ExtentFailure, LoadStream, open_readers
 from .models import Block, DataKey, Extent, Tenant
 from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
 from .read_plan import PlannedExtent, ReadPlan, group_runs
-from .storage import StorageError
+from .storage import ExtentWriter, StorageError
 from .tokens import as_token_array
 
 if TYPE_CHECKING:
@@ -201,19 +203,20 @@ class Namespace:
             self._kv.store_backend.delete(extent_id)  # another writer indexed these blocks first
         return inserted * BLOCK_TOKENS
 
-    def _seal_layer(
+    def _seal_and_write_layer(
         self,
+        writer: ExtentWriter,
         geometry: ExtentGeometry,
         cipher: ExtentCipher,
         layer: int,
         keys: list[BlockKey],
         positions: list[int],
         rows: torch.Tensor,
-    ) -> bytearray:
+    ) -> None:
+        """Worker: seal one layer's new segments into this thread's buffer and write them."""
         sealed = geometry.sealed_bytes
         plain = geometry.segment_bytes
-        out = bytearray(geometry.layer_stride)
-        out_view = memoryview(out)
+        out = thread_buffer(geometry.layer_stride)
         source = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
         for slot, position in enumerate(positions):
             cipher.seal_into(
@@ -221,9 +224,9 @@ class Namespace:
                 layer,
                 keys[position],
                 source[position * plain : (position + 1) * plain],
-                out_view[slot * sealed : (slot + 1) * sealed],
+                out[slot * sealed : (slot + 1) * sealed],
             )
-        return out
+        writer.write_at(geometry.offset(layer, 0), out)
 
     def _write_extent(
         self,
@@ -233,29 +236,40 @@ class Namespace:
         positions: list[int],
         rows: list[torch.Tensor],
     ) -> str:
-        """Seal layers on the worker pool (a bounded window ahead) and write them in order."""
+        """Seal and write layers on the worker pool, a bounded window at a time; then commit.
+
+        Layers go to disjoint offsets, so workers write them in parallel (one ``pwrite`` each)
+        and no layer waits for another; the window keeps a large store from queueing all its
+        layers ahead of concurrent loads on the shared pool.
+        """
         executor = self._kv.executor
-        window = self._kv.window
-        pending: dict[int, Future[bytearray]] = {}
-
-        def submit(layer: int) -> None:
-            if layer < geometry.num_layers:
-                pending[layer] = executor.submit(
-                    self._seal_layer, geometry, cipher, layer, keys, positions, rows[layer]
-                )
-
         with self._kv.store_backend.create() as writer:
+            writer.write_at(0, geometry.header())
+            pending: set[Future[None]] = set()
             try:
-                for layer in range(window):
-                    submit(layer)
-                writer.write(geometry.header())
                 for layer in range(geometry.num_layers):
-                    data = pending.pop(layer).result()
-                    submit(layer + window)
-                    writer.write(data)
+                    if len(pending) >= self._kv.window:
+                        done, pending = wait_futures(pending, return_when=FIRST_COMPLETED)
+                        for future in done:
+                            future.result()
+                    pending.add(
+                        executor.submit(
+                            self._seal_and_write_layer,
+                            writer,
+                            geometry,
+                            cipher,
+                            layer,
+                            keys,
+                            positions,
+                            rows[layer],
+                        )
+                    )
+                for future in wait_futures(pending).done:
+                    future.result()
             finally:
-                for future in pending.values():
+                for future in pending:
                     future.cancel()
+                wait_futures(pending)  # no worker may still write once the writer is aborted
             return writer.commit()
 
     def _index_extent(

@@ -9,6 +9,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -622,3 +623,22 @@ def test_durable_store_round_trip(tmp_path: Path) -> None:
     assert list(store.list()) == [extent_id]
     assert store.delete(extent_id) is True
     assert list(store.list()) == []
+
+
+def test_write_at_from_many_threads_assembles_the_extent(store: LocalBlockStore) -> None:
+    parts = [os.urandom(4096 + i) for i in range(16)]
+    offsets = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+    with store.create() as writer, ThreadPoolExecutor(4) as pool:
+        # Out of order and concurrently: each part lands at its own offset.
+        list(pool.map(writer.write_at, reversed(offsets), reversed(parts)))
+        extent_id = writer.commit()
+    assert _read_all(store, extent_id) == b"".join(parts)
+
+
+def test_write_at_after_abort_raises_and_leaves_nothing(store: LocalBlockStore) -> None:
+    writer = store.create()
+    writer.write_at(10, b"tail")
+    writer.abort()
+    with pytest.raises(StorageError):
+        writer.write_at(0, b"head")
+    assert list(store.list()) == [] and _parts(store) == []

@@ -34,14 +34,20 @@ class FaultyStore(LocalBlockStore):
         writer = super().create()
         if not self.fail_write:
             return writer
-        real_write = writer.write
+        real_write_at = writer.write_at
+        calls = 0
 
-        def write(data: Buffer) -> None:
-            real_write(memoryview(data)[:1])
+        def write_at(offset: int, data: Buffer) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the header fits; the disk fills up on the first layer
+                real_write_at(offset, data)
+                return
+            real_write_at(offset, memoryview(data)[:1])
             writer.abort()
             raise StorageError(f"writing extent failed: {os.strerror(errno.ENOSPC)}")
 
-        writer.write = write  # type: ignore[method-assign]
+        writer.write_at = write_at  # type: ignore[method-assign]
         return writer
 
 
