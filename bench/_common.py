@@ -314,3 +314,35 @@ def plot_results(results: Sequence[Result], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- #
+# Generic min / median / max tables (added for streaming.py)
+# --------------------------------------------------------------------------- #
+
+
+def min_med_max(values: Sequence[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def format_stats_table(
+    rows: Sequence[tuple[str, Sequence[float], str]],
+    unit: str,
+    *,
+    label: str = "metric",
+    digits: int = 2,
+    note_header: str = "",
+) -> str:
+    """A fixed-width table: one row per (name, values, note) with min / median / max of values."""
+    name_w = max(len(label), *(len(name) for name, _, _ in rows))
+    cols = [f"min {unit}", f"median {unit}", f"max {unit}"]
+    col_w = max(9, digits + 7, *(len(c) for c in cols))
+    header = f"{label:<{name_w}}  " + "  ".join(f"{c:>{col_w}}" for c in cols)
+    if note_header:
+        header += f"  {note_header}"
+    lines = [header, "-" * len(header)]
+    for name, values, note in rows:
+        lo, mid, hi = min_med_max(values)
+        cells = "  ".join(f"{v:>{col_w}.{digits}f}" for v in (lo, mid, hi))
+        lines.append(f"{name:<{name_w}}  {cells}" + (f"  {note}" if note else ""))
+    return "\n".join(lines)

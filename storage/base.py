@@ -98,6 +98,10 @@ class BlockStore(abc.ABC):
     def open(self, extent_id: str) -> ExtentReader:
         """Open a committed extent; :class:`~.errors.ExtentNotFoundError` if there is none."""
 
+    def prefetch(self, extent_id: str, ranges: Sequence[tuple[int, int]]) -> None:  # noqa: B027
+        """Hint that ``(offset, length)`` ranges of an extent will be read soon. Advisory:
+        backends without a faster tier ignore it, and it never fails for a missing extent."""
+
     @abc.abstractmethod
     def delete(self, extent_id: str) -> bool:
         """Remove an extent; return whether it existed."""

@@ -8,6 +8,7 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,11 +33,13 @@ from .crypto import (
 from .database import Database
 from .errors import CacheClosedError, InvalidRequestError, TenantExistsError, TenantNotFoundError
 from .layout import KVLayout
+from .loader import LoadStream
 from .models import Block, DataKey, Extent, SchemaInfo, Tenant
 from .models import Namespace as NamespaceRow
 from .namespace import Namespace, NamespaceIdentity
 from .prefix import model_fingerprint
 from .security_events import SecurityEvent, SecurityEventLog
+from .staging import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES, RingStats, StagingRing
 from .storage import BlockStore, LocalBlockStore, StorageError
 
 logger = logging.getLogger("tenantkv")
@@ -83,7 +86,10 @@ class TenantKV:
         suite: CipherSuite = DEFAULT_SUITE,
         strict: bool = False,
         workers: int | None = None,
+        io_threads: int | None = None,
         window: int | None = None,
+        staging_bytes: int = DEFAULT_RING_BYTES,
+        staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
         clock: Callable[[], float] = time.time,
     ) -> None:
         from .keyring import Keyring
@@ -99,7 +105,15 @@ class TenantKV:
         self.workers = workers or os.cpu_count() or 1
         # Layers in flight per load/store: enough to keep every worker busy, bounded in memory.
         self.window = window or 2 * self.workers
-        self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv")
+        self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-cpu")
+        # Readers mostly wait on storage; their own pool keeps that waiting off the CPU workers.
+        self.io_threads = io_threads or max(2, self.workers)
+        self.io_executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="tenantkv-io")
+        self._rings = {
+            False: StagingRing(staging_bytes, staging_slot_bytes),
+        }
+        self._ring_config = (staging_bytes, staging_slot_bytes)
+        self._streams: weakref.WeakSet[LoadStream] = weakref.WeakSet()
         self._closed = False
         self._lock = threading.Lock()
         try:
@@ -107,6 +121,7 @@ class TenantKV:
             self._check_master_key(key_wrapper)
         except BaseException:
             self.executor.shutdown(wait=False)
+            self.io_executor.shutdown(wait=False)
             self.db.close()
             raise
 
@@ -135,6 +150,10 @@ class TenantKV:
             if self._closed:
                 return
             self._closed = True
+            streams = list(self._streams)
+        for stream in streams:  # their chunks must finish before the pools go away
+            stream.close()
+        self.io_executor.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.store_backend.close()
         self.db.close()
@@ -271,6 +290,24 @@ class TenantKV:
                 "could not delete extent %s (left for the orphan sweep): %s", extent_id, err
             )
 
+    def staging_ring(self, *, pinned: bool) -> StagingRing:
+        """The ring shared by all loads (a pinned one, made on first use, for CUDA targets)."""
+        with self._lock:
+            ring = self._rings.get(pinned)
+            if ring is None:
+                ring = self._rings[pinned] = StagingRing(*self._ring_config, pinned=pinned)
+            return ring
+
+    def staging_stats(self) -> dict[str, RingStats]:
+        """Slots, slots in use, peak use and back-pressure waits of each staging ring."""
+        with self._lock:
+            rings = dict(self._rings)
+        return {("pinned" if pinned else "host"): ring.stats() for pinned, ring in rings.items()}
+
+    def track_stream(self, stream: LoadStream) -> None:
+        with self._lock:
+            self._streams.add(stream)
+
     def suite_of(self, value: int) -> CipherSuite:
         return CipherSuite(value)
 
@@ -312,6 +349,8 @@ class TenantKV:
             "cached_tokens": int(blocks) * 64,
             "stored_bytes": int(stored_bytes),
             "workers": self.workers,
+            "io_threads": self.io_threads,
+            "staging_bytes": self._ring_config[0],
         }
 
 
@@ -325,6 +364,9 @@ def open(
     durable: bool = True,
     strict: bool = False,
     workers: int | None = None,
+    io_threads: int | None = None,
+    staging_bytes: int = DEFAULT_RING_BYTES,
+    staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
     clock: Callable[[], float] = time.time,
 ) -> TenantKV:
     """Open (creating if needed) a cache rooted at ``root``.
@@ -333,7 +375,19 @@ def open(
     ``<root>/blocks``, master key from ``TENANTKV_MASTER_KEY`` or the key file
     ``<root>/master.key`` (created 0600 on first use). ``strict=True`` raises
     CacheUnavailableError where the serving path would otherwise degrade to a miss.
+
+    ``workers`` decrypt/seal threads (default one per core) and ``io_threads`` reader threads
+    serve every load; ``staging_bytes`` (default 64 MiB) bounds the host memory all loads use
+    for ciphertext in flight, in slots of ``staging_slot_bytes`` (default 4 MiB).
     """
+    for name, value in (
+        ("staging_bytes", staging_bytes),
+        ("staging_slot_bytes", staging_slot_bytes),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InvalidRequestError(f"{name} must be a positive number of bytes")
+    if staging_bytes < staging_slot_bytes:
+        raise InvalidRequestError("staging_bytes must hold at least one staging slot")
     try:
         parsed_suite = CipherSuite.parse(suite)
     except ValueError as err:
@@ -357,5 +411,8 @@ def open(
         suite=parsed_suite,
         strict=strict,
         workers=workers,
+        io_threads=io_threads,
+        staging_bytes=staging_bytes,
+        staging_slot_bytes=staging_slot_bytes,
         clock=clock,
     )

@@ -1,10 +1,19 @@
-"""Layer-wise loads: read, open and hand over a cached prefix one layer at a time.
+"""Layer-wise loads: a pipeline that reads, opens and hands over a cached prefix layer by layer.
 
-A :class:`LoadStream` keeps a bounded window of layers in flight on the cache's worker pool: while
-the caller works on layer ``l``, workers read (one range read per run) and open
-(``decrypt_into``) layers ``l+1 .. l+window``. Each worker reads ciphertext into its own reused
-staging buffer, so no fresh ciphertext memory is touched per load, and decrypts straight into the
-layer's output buffer. A layer is only ever handed over after every one of its segments opened.
+::
+
+    reader threads ── read ciphertext chunk ──► staging ring slot ──► decrypt workers
+        (I/O pool)     (one range read each)     (bounded, shared)     decrypt_into the layer's
+                                                                       destination, or into the
+                                                                       slot then copy (MHA out=,
+                                                                       CUDA: on the load stream)
+
+A layer is split into chunks of consecutive segments that fit one staging slot. Readers fetch
+chunks of layers ``l+1 .. l+window`` while workers decrypt earlier ones and the caller consumes
+layer ``l``; the ring's fixed size gives back-pressure across every concurrent load. A layer is
+handed over only after every one of its segments opened. On CUDA each layer completes with an
+event on the load's own stream, and ``wait_for_layer`` makes the caller's current stream wait on
+it without blocking the host on GPU work.
 """
 
 from __future__ import annotations
@@ -12,19 +21,20 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Executor, Future
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import torch
 
-from .buffers import thread_buffer
 from .crypto import SealOpenError
 from .errors import CacheClosedError, InvalidRequestError, LoadError, SegmentIntegrityError
 from .extent_format import HEADER_BYTES
 from .layout import KVLayout, Layer
-from .read_plan import ReadPlan
+from .load_targets import LayerOutput, LoadTarget
+from .read_plan import ReadPlan, Run
+from .staging import Slot, StagingRing
 from .storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
 
 
@@ -37,6 +47,10 @@ class ExtentFailure(Exception):
         self.layer = layer
         self.cause = cause
         self.integrity = integrity
+
+
+class _Cancelled(Exception):
+    """Internal: a chunk was skipped because its stream was closed."""
 
 
 FailureHandler = Callable[[ExtentFailure], None]
@@ -71,12 +85,55 @@ def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
     return readers
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Consecutive segments of one run that are read and opened together (one staging slot)."""
+
+    run: Run
+    first: int  # index into run.block_keys
+    count: int
+
+    @property
+    def slot(self) -> int:
+        return self.run.first_slot + self.first
+
+    @property
+    def position(self) -> int:
+        return self.run.first_position + self.first
+
+
+def split_chunks(plan: ReadPlan, max_segments: int) -> list[Chunk]:
+    """Cut every run of ``plan`` into chunks of at most ``max_segments`` segments."""
+    if max_segments < 1:
+        raise InvalidRequestError(
+            "one segment does not fit a staging slot; open the cache with a larger "
+            "staging_slot_bytes"
+        )
+    chunks: list[Chunk] = []
+    for run in plan.runs:
+        for first in range(0, run.count, max_segments):
+            chunks.append(Chunk(run, first, min(max_segments, run.count - first)))
+    return chunks
+
+
+class _LayerState:
+    __slots__ = ("done", "error", "event", "output", "remaining")
+
+    def __init__(self, output: LayerOutput, chunks: int) -> None:
+        self.output = output
+        self.remaining = chunks
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.event: Any = None  # torch.cuda.Event on CUDA targets
+
+
 class LoadStream:
     """An in-order stream of a cached prefix's layers; use as a context manager.
 
     ``for layer_index, layer in stream`` yields every layer in order. ``wait_for_layer(i)`` blocks
-    until layer ``i`` is ready and returns it. Leaving the ``with`` block (or :meth:`close`) cancels
-    what is still queued and waits for running reads, so no thread or file handle outlives it.
+    until layer ``i`` is ready and returns it (on CUDA: makes the current stream wait for it).
+    Leaving the ``with`` block (or :meth:`close`) cancels queued reads and waits for running ones,
+    so no thread, file handle or staging slot is still used by the stream afterwards.
     """
 
     def __init__(
@@ -85,74 +142,178 @@ class LoadStream:
         plan: ReadPlan,
         layout: KVLayout,
         readers: dict[str, ExtentReader],
-        executor: Executor,
-        device: torch.device,
+        target: LoadTarget,
+        cpu_executor: Executor,
+        io_executor: Executor,
+        ring: StagingRing,
         window: int,
         on_failure: FailureHandler,
     ) -> None:
         self.layout = layout
         self.num_layers = layout.num_layers
         self.num_tokens = plan.num_blocks * 64
-        self.device = device
-        self._plan = plan
+        self.device = target.device
+        self._target = target
         self._readers = readers
-        self._executor = executor
+        self._cpu = cpu_executor
+        self._io = io_executor
+        self._ring = ring
         self._window = max(1, window)
         self._on_failure = on_failure
-        self._futures: dict[int, Future[torch.Tensor]] = {}
-        self._next_submit = 0
+        self._segment_bytes = 64 * layout.token_bytes
+        per_segment = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
+        if not target.direct:
+            per_segment += self._segment_bytes  # the slot also holds the decrypted chunk
+        self._chunks = split_chunks(plan, ring.slot_bytes // per_segment)
+        self._stream: Any = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._cancel = threading.Event()
+        self._layers: dict[int, _LayerState] = {}
+        self._io_futures: dict[Future[None], int] = {}
+        self._outstanding = 0
+        self._next_layer = 0
         self._released = 0  # layers before this were handed over by iteration and let go
         self._handed: set[int] = set()
+        self._broken: ExtentFailure | None = None  # first failure: schedule nothing more
+        self._failed: LoadError | None = None  # the error raised to the caller
         self._closed = False
-        self._failed: LoadError | None = None
-        self._lock = threading.Lock()
-        self._stage_bytes = plan.largest_run_bytes
-        self._segment_bytes = 64 * layout.token_bytes
-        self._submit_through(self._window - 1)
+        with self._lock:
+            self._schedule_through(self._window - 1)
 
-    # ---- scheduling ----------------------------------------------------------------------------
+    # ---- scheduling (called with self._lock held) ----------------------------------------------
 
-    def _submit_through(self, last: int) -> None:
+    def _schedule_through(self, last: int) -> None:
         last = min(last, self.num_layers - 1)
-        while self._next_submit <= last:
-            layer = self._next_submit
-            self._futures[layer] = self._executor.submit(self._read_layer, layer)
-            self._next_submit += 1
+        while self._next_layer <= last and self._broken is None and not self._closed:
+            layer = self._next_layer
+            self._next_layer += 1
+            state = _LayerState(self._target.new_layer(layer), len(self._chunks))
+            self._layers[layer] = state
+            if not self._chunks:
+                state.done.set()
+                continue
+            for chunk in self._chunks:
+                self._outstanding += 1
+                future = self._io.submit(self._read_chunk, layer, chunk, state)
+                self._io_futures[future] = layer
+                future.add_done_callback(self._forget_io_future)
 
-    def _read_layer(self, layer: int) -> torch.Tensor:
-        """Worker: read and open every segment of one layer into a fresh row buffer."""
-        pin = self.device.type == "cuda"
-        rows = torch.empty(
-            (self.num_tokens, self.layout.token_bytes), dtype=torch.uint8, pin_memory=pin
-        )
-        out = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
+    def _forget_io_future(self, future: Future[None]) -> None:
+        with self._lock:
+            self._io_futures.pop(future, None)
+
+    # ---- pipeline stages (worker threads) ------------------------------------------------------
+
+    def _read_chunk(self, layer: int, chunk: Chunk, state: _LayerState) -> None:
+        """Reader: take a staging slot, read the chunk's ciphertext, hand it to a worker."""
+        slot = self._ring.acquire(self._cancel)
+        if slot is None:
+            self._chunk_finished(layer, state, _Cancelled())
+            return
+        extent = chunk.run.extent
+        try:
+            size = chunk.count * extent.geometry.sealed_bytes
+            self._readers[extent.extent_id].readinto(
+                extent.geometry.offset(layer, chunk.slot), [slot.view[:size]]
+            )
+            if self._cancel.is_set():
+                raise _Cancelled()
+            self._cpu.submit(self._open_chunk, layer, chunk, state, slot)
+        except BaseException as err:
+            self._ring.release(slot)
+            self._chunk_finished(layer, state, self._classify(extent.extent_id, layer, err))
+
+    def _open_chunk(self, layer: int, chunk: Chunk, state: _LayerState, slot: Slot) -> None:
+        """Worker: open the chunk's segments into the layer's destination; free the slot."""
+        error: BaseException | None = None
+        extent = chunk.run.extent
+        try:
+            if self._cancel.is_set():
+                raise _Cancelled()
+            self._open_into_destination(layer, chunk, state.output, slot)
+        except BaseException as err:
+            error = self._classify(extent.extent_id, layer, err)
+        finally:
+            self._ring.release(slot)
+        self._chunk_finished(layer, state, error)
+
+    def _open_into_destination(
+        self, layer: int, chunk: Chunk, output: LayerOutput, slot: Slot
+    ) -> None:
+        extent = chunk.run.extent
+        sealed = extent.geometry.sealed_bytes
         segment = self._segment_bytes
-        for run in self._plan.runs:
-            extent = run.extent
-            sealed = extent.geometry.sealed_bytes
-            stage = thread_buffer(run.count * sealed)
-            try:
-                self._readers[extent.extent_id].readinto(
-                    extent.geometry.offset(layer, run.first_slot), [stage]
+        token_bytes = self.layout.token_bytes
+        keys = chunk.run.block_keys
+        rows = self._target.block_rows
+        open_into = extent.cipher.open_into
+        if output.bytes is not None and self._target.direct:
+            out = output.bytes
+            for j in range(chunk.count):
+                start = rows[chunk.position + j] * token_bytes
+                open_into(
+                    chunk.slot + j,
+                    layer,
+                    keys[chunk.first + j],
+                    slot.view[j * sealed : (j + 1) * sealed],
+                    out[start : start + segment],
                 )
-                for j, key in enumerate(run.block_keys):
-                    position = run.first_position + j
-                    extent.cipher.open_into(
-                        run.first_slot + j,
-                        layer,
-                        key,
-                        stage[j * sealed : (j + 1) * sealed],
-                        out[position * segment : (position + 1) * segment],
-                    )
-            except SealOpenError as err:
-                raise ExtentFailure(extent.extent_id, layer, err, integrity=True) from err
-            except ShortReadError as err:
-                raise ExtentFailure(extent.extent_id, layer, err, integrity=True) from err
-            except StorageError as err:
-                raise ExtentFailure(extent.extent_id, layer, err, integrity=False) from err
-        if pin:
-            return rows.to(self.device, non_blocking=False)
-        return rows
+            return
+        plain_at = chunk.count * sealed
+        for j in range(chunk.count):
+            open_into(
+                chunk.slot + j,
+                layer,
+                keys[chunk.first + j],
+                slot.view[j * sealed : (j + 1) * sealed],
+                slot.view[plain_at + j * segment : plain_at + (j + 1) * segment],
+            )
+        plain = slot.tensor[plain_at : plain_at + chunk.count * segment].view(-1, token_bytes)
+        if self._stream is None:
+            self._target.place(output, chunk.position, plain)
+            return
+        with torch.cuda.stream(self._stream):
+            self._target.place(output, chunk.position, plain)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(self._stream)
+        copied.synchronize()  # the slot is reused once this chunk's copy has finished
+
+    @staticmethod
+    def _classify(extent_id: str, layer: int, err: BaseException) -> BaseException:
+        if isinstance(err, _Cancelled | ExtentFailure):
+            return err
+        if isinstance(err, SealOpenError | ShortReadError | ExtentNotFoundError):
+            return ExtentFailure(extent_id, layer, err, integrity=True)
+        if isinstance(err, StorageError):
+            return ExtentFailure(extent_id, layer, err, integrity=False)
+        if isinstance(err, RuntimeError) and "shutdown" in str(err):
+            return _Cancelled()  # the cache's pools were shut down under us
+        return err
+
+    def _chunk_finished(self, layer: int, state: _LayerState, error: BaseException | None) -> None:
+        first_failure: ExtentFailure | None = None
+        with self._lock:
+            state.remaining -= 1
+            if error is not None and state.error is None:
+                state.error = error
+            if isinstance(error, ExtentFailure) and self._broken is None:
+                self._broken = first_failure = error
+            layer_done = state.remaining == 0
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
+        if first_failure is not None:
+            # Evict and record at detection, even if the caller never reaches this layer, and
+            # before any waiter can see the error (a caller's next lookup must already miss).
+            self._on_failure(first_failure)
+        if layer_done:
+            if state.error is None and self._stream is not None:
+                state.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                state.event.record(self._stream)
+            state.done.set()
 
     # ---- consumer side -------------------------------------------------------------------------
 
@@ -169,17 +330,36 @@ class LoadStream:
                 raise InvalidRequestError(
                     f"layer {index} was already handed over by iteration and released"
                 )
-            self._submit_through(index)
-            future = self._futures[index]
-        try:
-            rows = future.result()
-        except ExtentFailure as failure:
-            raise self._fail(failure) from failure.cause
-        except CancelledError:
-            raise CacheClosedError("the load stream was closed while waiting") from None
+            self._schedule_through(index)
+            state = self._layers.get(index)
+            broken = self._broken
+        if state is None:  # never scheduled: an earlier layer failed
+            assert broken is not None, "an unscheduled layer implies a failed stream"
+            raise self._fail(broken)
+        state.done.wait()
+        if state.error is not None:
+            if isinstance(state.error, ExtentFailure):
+                raise self._fail(state.error)
+            if isinstance(state.error, _Cancelled):
+                raise CacheClosedError("the load stream was closed while waiting")
+            raise self._fail(ExtentFailure("?", index, state.error, integrity=False))  # type: ignore[arg-type]
         with self._lock:
+            if self._failed is not None:
+                raise self._failed
             self._handed.add(index)
-        return self.layout.layer_from_rows(rows)
+        if state.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(state.event)
+            for tensor in self._tensors_of(state.output):
+                tensor.record_stream(current)
+        return state.output.result
+
+    @staticmethod
+    def _tensors_of(output: LayerOutput) -> list[torch.Tensor]:
+        if output.rows is not None:
+            return [output.rows]
+        assert output.pair is not None, "an output has rows or a (k, v) pair"
+        return list(output.pair)
 
     def __iter__(self) -> Iterator[tuple[int, Layer]]:
         for index in range(self._released, self.num_layers):
@@ -187,10 +367,9 @@ class LoadStream:
             with self._lock:
                 # Drop our reference so the caller alone decides the layer's lifetime; the
                 # allocator then reuses its memory for the layers that follow.
-                self._futures.pop(index, None)
+                self._layers.pop(index, None)
                 self._released = index + 1
-                if not self._closed:
-                    self._submit_through(index + self._window)
+                self._schedule_through(index + self._window)
             yield index, layer
         self.close()
 
@@ -216,34 +395,48 @@ class LoadStream:
                 f"reading layer {failure.layer} failed: {failure.cause}",
                 delivered_layers=delivered,
             )
+        error.__cause__ = failure.cause
         with self._lock:
-            first = self._failed is None
-            if first:
+            if self._failed is None:
                 self._failed = error
             else:
-                error = self._failed  # type: ignore[assignment]
+                error = self._failed
         self.close()
-        if first:
-            self._on_failure(failure)
         return error
 
     # ---- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Cancel queued layers, wait for running ones, release file handles. Idempotent."""
+        """Cancel queued reads, wait for running chunks, release file handles. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            futures = list(self._futures.values())
-            self._futures.clear()
-        for future in futures:
-            future.cancel()
-        wait_futures(futures)
+            self._cancel.set()
+            queued = list(self._io_futures.items())
+        self._ring.wake()
+        for future, layer in queued:
+            if future.cancel():
+                state = self._layers_state(layer)
+                if state is not None:
+                    self._chunk_finished(layer, state, _Cancelled())
+                else:  # pragma: no cover - a layer is registered before its chunks are queued
+                    with self._lock:
+                        self._outstanding -= 1
+        with self._idle:
+            while self._outstanding > 0:
+                self._idle.wait(timeout=1.0)
+            states = list(self._layers.values())
+        for state in states:
+            state.done.set()  # no waiter may block on a layer that will never complete
         for reader in self._readers.values():
             with contextlib.suppress(StorageError, OSError):
                 reader.close()
         self._readers.clear()
+
+    def _layers_state(self, layer: int) -> _LayerState | None:
+        with self._lock:
+            return self._layers.get(layer)
 
     @property
     def closed(self) -> bool:

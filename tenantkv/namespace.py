@@ -30,6 +30,7 @@ from .errors import (
 )
 from .extent_format import ExtentGeometry
 from .layout import KVLayout
+from .load_targets import LoadTarget
 from .loader import ExtentFailure, LoadStream, open_readers
 from .models import Block, DataKey, Extent, Tenant
 from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
@@ -90,29 +91,29 @@ class Namespace:
     def _keys(self, tokens: Any) -> list[BlockKey]:
         return block_keys(self._hash_key, self.identity.fingerprint, as_token_array(tokens))
 
-    def _present_rows(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> dict[bytes, Block]:
-        """Index rows of ``keys`` that exist, queried in chunks.
+    def _present_keys(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> set[bytes]:
+        """The subset of ``keys`` that is indexed, queried in chunks.
 
         With ``stop_at_gap`` the query stops after the first chunk that misses a key, since
         nothing after a gap can extend the prefix.
         """
-        found: dict[bytes, Block] = {}
+        found: set[bytes] = set()
         with self._kv.db.read() as session:
             for start in range(0, len(keys), _QUERY_CHUNK):
                 chunk = list(keys[start : start + _QUERY_CHUNK])
                 rows = session.scalars(
-                    select(Block).where(
+                    select(Block.block_key).where(
                         Block.namespace_id == self.identity.namespace_id,
                         Block.block_key.in_(chunk),
                     )
                 ).all()
-                found.update((row.block_key, row) for row in rows)
+                found.update(rows)
                 if stop_at_gap and len(rows) < len(chunk):
                     break
         return found
 
     @staticmethod
-    def _run_from_zero(keys: Sequence[BlockKey], present: dict[bytes, Block]) -> int:
+    def _run_from_zero(keys: Sequence[BlockKey], present: set[bytes] | dict[bytes, Any]) -> int:
         count = 0
         for key in keys:
             if key not in present:
@@ -132,7 +133,7 @@ class Namespace:
         if not keys:
             return 0
         try:
-            present = self._present_rows(keys, stop_at_gap=True)
+            present = self._present_keys(keys, stop_at_gap=True)
         except SQLAlchemyError as err:
             return self._degrade("lookup", err, 0)
         return self._run_from_zero(keys, present) * BLOCK_TOKENS
@@ -154,7 +155,7 @@ class Namespace:
         if not keys:
             return 0
         try:
-            present = self._present_rows(keys, stop_at_gap=False)
+            present = self._present_keys(keys, stop_at_gap=False)
             first_missing = self._run_from_zero(keys, present)
             positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
             if not positions:
@@ -322,21 +323,31 @@ class Namespace:
 
     # ---- load ---------------------------------------------------------------------------------
 
-    def load(self, tokens: Any, device: str | torch.device = "cpu") -> LoadStream:
+    def load(
+        self,
+        tokens: Any,
+        device: str | torch.device = "cpu",
+        *,
+        out: Sequence[Any] | None = None,
+        block_rows: Sequence[int] | None = None,
+    ) -> LoadStream:
         """Stream the cached prefix ``tokens`` (whole 64-token blocks, all cached) layer by layer.
 
-        Raises :class:`CacheMissError` when any block is not cached and
-        :class:`SegmentIntegrityError` when an extent is found damaged before the first layer.
+        Reading starts at once, in the background; iterate the stream, or call
+        ``wait_for_layer(i)``, to receive layers. Without ``out`` every layer is a fresh tensor of
+        exactly ``len(tokens)`` rows on ``device``. With ``out`` (one buffer per layer: a tensor
+        ``[R, kv_lora_rank + rope_dim]`` for MLA, a ``(k, v)`` pair of ``[R, heads, head_dim]``
+        for MHA, contiguous, on ``device``) the layers are written in place and the stream yields
+        those same buffers: rows ``0 .. len(tokens) - 1``, or, with ``block_rows``, rows
+        ``block_rows[b] .. block_rows[b] + 63`` for block ``b`` (paged KV). Rows outside the loaded
+        ones are left untouched.
+
+        Raises :class:`CacheMissError` when any block is not cached, :class:`InvalidRequestError`
+        for bad arguments, and :class:`SegmentIntegrityError` when an extent is found damaged
+        before the first layer.
         """
         self._kv.check_open()
-        try:
-            target = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise InvalidRequestError(f"unknown device {device!r}") from None
-        if target.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError(f"device {target} is not available")
-        if target.type not in ("cpu", "cuda"):
-            raise InvalidRequestError(f"device {target} is not supported (use cpu or cuda)")
+        target_device = self._parse_device(device)
         token_array = as_token_array(tokens)
         if len(token_array) == 0 or len(token_array) % BLOCK_TOKENS:
             raise InvalidRequestError(
@@ -344,6 +355,7 @@ class Namespace:
                 "use lookup() to find the cached length"
             )
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        target = LoadTarget(self.layout, target_device, len(keys), out, block_rows)
         try:
             plan = self._plan(keys)
         except SQLAlchemyError as err:
@@ -364,31 +376,86 @@ class Namespace:
                 plan=plan,
                 layout=self.layout,
                 readers=readers,
-                executor=self._kv.executor,
-                device=target,
-                window=self._kv.window,
+                target=target,
+                cpu_executor=self._kv.executor,
+                io_executor=self._kv.io_executor,
+                ring=self._kv.staging_ring(pinned=target.device.type == "cuda"),
+                # Caller buffers cost no memory to fill ahead; fresh layers are bounded.
+                window=self.layout.num_layers if out is not None else self._kv.window,
                 on_failure=self._handle_failure,
             )
         except BaseException:
             for reader in readers.values():
                 reader.close()
             raise
-        self._touch(keys)  # after the first layers are queued, so it overlaps their reads
+        self._kv.track_stream(stream)
+        self._kv.io_executor.submit(self._touch, keys)  # off the path to the first layer
         return stream
 
+    def prefetch(self, tokens: Any) -> int:
+        """Start reading the longest cached prefix of ``tokens`` into memory; return its length.
+
+        Asks the block store to read the prefix's byte ranges ahead (the OS page cache for the
+        local store) and returns at once, so a later ``load`` of the prefix finds its bytes in
+        memory. Holds no buffers or threads of its own; a prefetch that is never followed by a
+        load costs only the read. Failures degrade to 0.
+        """
+        self._kv.check_open()
+        keys = self._keys(tokens)
+        try:
+            present = self._present_keys(keys, stop_at_gap=True)
+            cached = self._run_from_zero(keys, present)
+            if cached == 0:
+                return 0
+            plan = self._plan(keys[:cached])
+            for run in plan.runs:
+                geometry = run.extent.geometry
+                ranges = [
+                    (geometry.offset(layer, run.first_slot), run.count * geometry.sealed_bytes)
+                    for layer in range(geometry.num_layers)
+                ]
+                self._kv.store_backend.prefetch(run.extent.extent_id, ranges)
+        except (SQLAlchemyError, StorageError, CacheMissError) as err:
+            return self._degrade("prefetch", err, 0)
+        return cached * BLOCK_TOKENS
+
+    @staticmethod
+    def _parse_device(device: str | torch.device) -> torch.device:
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InvalidRequestError(f"unknown device {device!r}") from None
+        if target.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device {target} is not supported (use cpu or cuda)")
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device {target} is not available")
+        return target
+
     def _plan(self, keys: list[BlockKey]) -> ReadPlan:
-        present = self._present_rows(keys, stop_at_gap=True)
-        cached = self._run_from_zero(keys, present)
-        if cached < len(keys):
-            raise CacheMissError(
-                f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
-            )
-        extent_ids = {present[key].extent_id for key in keys}
+        """Where every block of ``keys`` lies, with the cipher of each extent; or CacheMissError."""
+        located: dict[bytes, tuple[str, int]] = {}
+        extents: dict[str, Extent] = {}
         with self._kv.db.read() as session:
-            extents = {
-                row.id: row
-                for row in session.scalars(select(Extent).where(Extent.id.in_(extent_ids)))
-            }
+            for start in range(0, len(keys), _QUERY_CHUNK):
+                chunk = keys[start : start + _QUERY_CHUNK]
+                rows = session.execute(
+                    select(Block.block_key, Block.slot, Extent)
+                    .join(Extent, Extent.id == Block.extent_id)
+                    .where(
+                        Block.namespace_id == self.identity.namespace_id,
+                        Block.block_key.in_(chunk),
+                    )
+                ).all()
+                for block_key, slot, extent in rows:
+                    located[block_key] = (extent.id, slot)
+                    extents[extent.id] = extent
+                if len(rows) < len(chunk):
+                    break
+            cached = self._run_from_zero(keys, located)
+            if cached < len(keys):
+                raise CacheMissError(
+                    f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
+                )
             versions = {row.key_version for row in extents.values()}
             wrapped: dict[int, bytes] = {
                 version: key
@@ -415,12 +482,9 @@ class Namespace:
                 BLOCK_TOKENS * self.layout.token_bytes
             ):
                 raise CacheMissError("an indexed extent does not match this namespace's layout")
-            planned[extent_id] = PlannedExtent(
-                extent_id, geometry, ExtentCipher(data_key, row.salt, context, suite)
-            )
-        return group_runs(
-            [(key, planned[present[key].extent_id], present[key].slot) for key in keys]
-        )
+            cipher = ExtentCipher(data_key, row.salt, context, suite)
+            planned[extent_id] = PlannedExtent(extent_id, geometry, cipher)
+        return group_runs([(key, planned[located[key][0]], located[key][1]) for key in keys])
 
     def _touch(self, keys: list[BlockKey]) -> None:
         """Mark blocks as used now (for least-recently-used eviction); never fails a load."""

@@ -1,0 +1,206 @@
+"""Where a load puts each layer: fresh tensors, or the caller's own (possibly paged) buffers.
+
+Inference engines replay CUDA graphs over fixed pointers and keep KV in paged pools, so a load
+must be able to write into buffers the engine already owns (``out=``), at given rows
+(``block_rows``: the first row of each 64-token block). Without ``out=`` each layer is a fresh
+tensor of exactly the loaded rows.
+
+On the CPU, a destination whose rows are plain bytes (a fresh layer, an MLA buffer) is decrypted
+into directly, with no copy. Otherwise (MHA ``out=`` buffers, which keep k and v apart, and every
+CUDA target) the chunk is decrypted into its staging slot and copied out from there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import InvalidRequestError
+from .layout import KVLayout, Layer
+from .prefix import BLOCK_TOKENS
+
+
+def _check_buffer(
+    what: str, tensor: Any, layout: KVLayout, device: torch.device, tail: tuple[int, ...], rows: int
+) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != layout.dtype:
+        raise InvalidRequestError(
+            f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}"
+        )
+    if tensor.device != device:
+        raise InvalidRequestError(f"{what} is on {tensor.device}, the load targets {device}")
+    if tensor.dim() != 1 + len(tail) or tuple(tensor.shape[1:]) != tail:
+        raise InvalidRequestError(
+            f"{what} has shape {list(tensor.shape)}, expected [rows, {', '.join(map(str, tail))}]"
+        )
+    if tensor.shape[0] < rows:
+        raise InvalidRequestError(f"{what} has {tensor.shape[0]} rows, the load needs {rows}")
+    if not tensor.is_contiguous():
+        raise InvalidRequestError(f"{what} must be contiguous")
+    return tensor
+
+
+def _normalise_device(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class LayerOutput:
+    """The destination of one layer of one load."""
+
+    def __init__(
+        self,
+        *,
+        rows: torch.Tensor | None,
+        pair: tuple[torch.Tensor, torch.Tensor] | None,
+        result: Layer,
+    ) -> None:
+        self.rows = rows  # uint8 [R, token_bytes], when the destination is byte-addressable
+        self.pair = pair  # (k, v) buffers of an MHA out=
+        self.result = result
+        self.bytes: memoryview | None = None
+        if rows is not None and rows.device.type == "cpu":
+            self.bytes = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+class LoadTarget:
+    """Validated destinations for every layer of one load."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        device: torch.device,
+        num_blocks: int,
+        out: Sequence[Any] | None,
+        block_rows: Sequence[int] | None,
+    ) -> None:
+        self.layout = layout
+        self.device = _normalise_device(device)
+        self.num_blocks = num_blocks
+        self.block_rows = self._check_block_rows(block_rows, num_blocks, out is not None)
+        rows_needed = max(self.block_rows, default=-BLOCK_TOKENS) + BLOCK_TOKENS
+        self.out = self._check_out(out, rows_needed) if out is not None else None
+        #: decrypt straight into the destination bytes (no staging copy)
+        self.direct = self.device.type == "cpu" and (out is None or layout.kind == "mla")
+
+    @staticmethod
+    def _check_block_rows(
+        block_rows: Sequence[int] | None, num_blocks: int, has_out: bool
+    ) -> list[int]:
+        if block_rows is None:
+            return [b * BLOCK_TOKENS for b in range(num_blocks)]
+        if not has_out:
+            raise InvalidRequestError("block_rows needs out= buffers to place the rows in")
+        rows = list(block_rows)
+        if len(rows) != num_blocks:
+            raise InvalidRequestError(
+                f"block_rows has {len(rows)} entries, the load has {num_blocks} blocks"
+            )
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in rows):
+            raise InvalidRequestError("block_rows must be non-negative integers")
+        ordered = sorted(rows)
+        if any(b - a < BLOCK_TOKENS for a, b in itertools.pairwise(ordered)):
+            raise InvalidRequestError("block_rows overlap: each block takes 64 consecutive rows")
+        return rows
+
+    def _check_out(self, out: Sequence[Any], rows_needed: int) -> list[Any]:
+        layout = self.layout
+        if isinstance(out, torch.Tensor) or not isinstance(out, Sequence):
+            raise InvalidRequestError(f"out must be a sequence of {layout.num_layers} buffers")
+        if len(out) != layout.num_layers:
+            raise InvalidRequestError(
+                f"out has {len(out)} buffers, the layout has {layout.num_layers} layers"
+            )
+        checked: list[Any] = []
+        seen: set[int] = set()
+        for index, entry in enumerate(out):
+            if layout.kind == "mla":
+                tensor = _check_buffer(
+                    f"out[{index}]",
+                    entry,
+                    layout,
+                    self.device,
+                    (layout.values_per_token,),
+                    rows_needed,
+                )
+                parts = [tensor]
+                checked.append(tensor)
+            else:
+                if (
+                    not isinstance(entry, Sequence)
+                    or isinstance(entry, torch.Tensor)
+                    or len(entry) != 2
+                ):
+                    raise InvalidRequestError(f"out[{index}] must be a (k, v) pair of tensors")
+                tail = (layout.num_kv_heads, layout.head_dim)
+                k = _check_buffer(
+                    f"out[{index}] k", entry[0], layout, self.device, tail, rows_needed
+                )
+                v = _check_buffer(
+                    f"out[{index}] v", entry[1], layout, self.device, tail, rows_needed
+                )
+                parts = [k, v]
+                checked.append(entry)
+            for part in parts:
+                if part.data_ptr() in seen:
+                    raise InvalidRequestError(f"out[{index}] shares memory with another buffer")
+                seen.add(part.data_ptr())
+        return checked
+
+    def new_layer(self, layer: int) -> LayerOutput:
+        layout = self.layout
+        if self.out is None:
+            rows = torch.empty(
+                (self.num_blocks * BLOCK_TOKENS, layout.token_bytes),
+                dtype=torch.uint8,
+                device=self.device,
+            )
+            return LayerOutput(rows=rows, pair=None, result=layout.layer_from_rows(rows))
+        entry = self.out[layer]
+        if layout.kind == "mla":
+            rows = entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)
+            return LayerOutput(rows=rows, pair=None, result=entry)
+        return LayerOutput(rows=None, pair=(entry[0], entry[1]), result=entry)
+
+    def place(self, output: LayerOutput, first_position: int, plain: torch.Tensor) -> None:
+        """Copy a staged chunk (``[count * 64, token_bytes]`` uint8) to its destination rows.
+
+        On CUDA the copies are queued on the current stream (the load's); the caller records
+        an event after them and keeps the staging slot until that event has completed.
+        """
+        count = plain.shape[0] // BLOCK_TOKENS
+        layout = self.layout
+        if self.device.type == "cuda" and output.pair is not None:
+            plain = plain.to(self.device, non_blocking=True)  # then split k/v on the device
+        offset = 0
+        for start, length in self._row_runs(first_position, count):
+            block = plain[offset : offset + length]
+            offset += length
+            if output.rows is not None:
+                output.rows[start : start + length].copy_(block, non_blocking=True)
+                continue
+            assert output.pair is not None, "a staged MHA layer has its (k, v) buffers"
+            pair = block.view(layout.dtype).view(length, 2, layout.num_kv_heads, layout.head_dim)
+            output.pair[0][start : start + length].copy_(pair[:, 0], non_blocking=True)
+            output.pair[1][start : start + length].copy_(pair[:, 1], non_blocking=True)
+
+    def _row_runs(self, first_position: int, count: int) -> list[tuple[int, int]]:
+        """Destination row ranges of blocks ``first_position ..``, merged where consecutive.
+
+        Returned as (start row, row count) with one entry per merged run; ``place`` walks the
+        chunk's rows in the same order.
+        """
+        runs: list[tuple[int, int]] = []
+        for p in range(first_position, first_position + count):
+            start = self.block_rows[p]
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + BLOCK_TOKENS)
+            else:
+                runs.append((start, BLOCK_TOKENS))
+        return runs

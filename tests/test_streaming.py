@@ -1,0 +1,328 @@
+"""The streaming loader: order, exactness, caller buffers, a shared bounded ring, clean cancel."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tenantkv
+from tenantkv import KVLayout, TenantKV
+from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
+
+MLA = KVLayout.mla(4, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)  # 8 KiB segments
+MHA = KVLayout.mha(3, num_kv_heads=2, head_dim=16, dtype=torch.float16)  # 8 KiB segments
+SEGMENT = 64 * MLA.token_bytes + 16
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def small_ring(tmp_path: Path) -> Iterator[TenantKV]:
+    """A cache whose ring holds 3 slots of 2 segments: layers split into chunks and wait."""
+    cache = tenantkv.open(
+        tmp_path / "cache",
+        durable=False,
+        staging_slot_bytes=2 * (SEGMENT + 64 * MLA.token_bytes),
+        staging_bytes=3 * 2 * (SEGMENT + 64 * MLA.token_bytes),
+    )
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("layout", [MLA, MHA], ids=["mla", "mha"])
+def test_layers_arrive_in_order_and_exact_through_a_tiny_ring(
+    small_ring: TenantKV, layout: KVLayout
+) -> None:
+    small_ring.create_tenant("acme")
+    ns = small_ring.namespace("acme", model="m", layout=layout)
+    tokens = random_tokens(11 * 64)
+    layers = random_layers(layout, len(tokens))
+    ns.store(tokens[: 5 * 64], [prefix_of(layer, 5 * 64) for layer in layers])
+    ns.store(tokens, layers)  # the prefix spans two extents
+    loaded = load_all(ns, tokens)  # load_all checks the order
+    for got, want in zip(loaded, layers, strict=True):
+        assert layers_equal(got, want)
+    stats = small_ring.staging_stats()["host"]
+    assert stats.in_use == 0
+    assert stats.peak_in_use <= stats.slots == 3
+
+
+def test_out_buffers_are_filled_in_place(kv: TenantKV) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(3 * 64)
+    layers = random_layers(MLA, len(tokens))
+    ns.store(tokens, layers)
+    out = [torch.full((5 * 64, MLA.values_per_token), 7.0, dtype=MLA.dtype) for _ in layers]
+    pointers = [buffer.data_ptr() for buffer in out]
+    with ns.load(tokens, out=out) as stream:
+        for index, layer in stream:
+            assert layer is out[index]
+    for index, buffer in enumerate(out):
+        assert buffer.data_ptr() == pointers[index]
+        assert torch.equal(buffer[: len(tokens)], layers[index])  # type: ignore[arg-type]
+        assert bool((buffer[len(tokens) :] == 7.0).all()), "rows past the load were touched"
+
+
+def test_out_buffers_at_paged_block_rows(kv: TenantKV) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MHA)
+    tokens = random_tokens(4 * 64, seed=3)
+    layers = random_layers(MHA, len(tokens), seed=3)
+    ns.store(tokens, layers)
+    block_rows = [320, 0, 640, 128]  # blocks land on scattered 64-row pages
+    shape = (12 * 64, MHA.num_kv_heads, MHA.head_dim)
+    out = [
+        (torch.zeros(shape, dtype=MHA.dtype), torch.zeros(shape, dtype=MHA.dtype)) for _ in layers
+    ]
+    with ns.load(tokens, out=out, block_rows=block_rows) as stream:
+        for index, layer in stream:
+            assert layer is out[index]
+    for (k_out, v_out), (k, v) in zip(out, layers, strict=True):  # type: ignore[misc]
+        written = torch.zeros(shape[0], dtype=torch.bool)
+        for block, row in enumerate(block_rows):
+            rows = slice(block * 64, block * 64 + 64)
+            assert torch.equal(k_out[row : row + 64], k[rows])
+            assert torch.equal(v_out[row : row + 64], v[rows])
+            written[row : row + 64] = True
+        assert bool((k_out[~written] == 0).all()) and bool((v_out[~written] == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda out: out[:-1], "buffers"),
+        (lambda out: [b.to(torch.float16) for b in out], "dtype"),
+        (lambda out: [b[:, :-1] for b in out], "shape"),
+        (lambda out: [b[:100] for b in out], "rows"),
+        (lambda out: [b.t().contiguous().t() for b in out], "contiguous"),
+        (lambda out: [out[0]] * len(out), "shares memory"),
+        (lambda out: out[0], "sequence"),
+    ],
+    ids=["count", "dtype", "shape", "rows", "contiguous", "aliased", "not-a-list"],
+)
+def test_bad_out_buffers_are_refused_before_anything_opens(
+    kv: TenantKV, change: object, match: str
+) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(128)
+    ns.store(tokens, random_layers(MLA, 128))
+    good = [torch.empty(128, MLA.values_per_token, dtype=MLA.dtype) for _ in range(MLA.num_layers)]
+    fds = _open_fds()
+    with pytest.raises(tenantkv.InvalidRequestError, match=match):
+        ns.load(tokens, out=change(good))  # type: ignore[operator]
+    assert _open_fds() == fds
+    with ns.load(tokens, out=good) as stream:  # positive control
+        assert sum(1 for _ in stream) == MLA.num_layers
+
+
+@pytest.mark.parametrize(
+    ("block_rows", "match"),
+    [([0], "entries"), ([0, 32], "overlap"), ([0, -64], "non-negative"), ([0, 4096], "rows")],
+)
+def test_bad_block_rows_are_refused(kv: TenantKV, block_rows: list[int], match: str) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(128)
+    ns.store(tokens, random_layers(MLA, 128))
+    out = [torch.empty(256, MLA.values_per_token, dtype=MLA.dtype) for _ in range(MLA.num_layers)]
+    with pytest.raises(tenantkv.InvalidRequestError, match=match):
+        ns.load(tokens, out=out, block_rows=block_rows)
+    with pytest.raises(tenantkv.InvalidRequestError, match="needs out"):
+        ns.load(tokens, block_rows=[0, 64])
+    with ns.load(tokens, out=out, block_rows=[128, 0]) as stream:  # positive control
+        assert sum(1 for _ in stream) == MLA.num_layers
+
+
+def test_cancelling_mid_stream_leaves_nothing_behind(small_ring: TenantKV) -> None:
+    small_ring.create_tenant("acme")
+    layout = KVLayout.mla(12, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
+    ns = small_ring.namespace("acme", model="m", layout=layout)
+    tokens = random_tokens(8 * 64)
+    layers = random_layers(layout, len(tokens))
+    ns.store(tokens, layers)
+    load_all(ns, tokens)  # warm the pools up so their threads exist before counting
+    threads, fds = threading.active_count(), _open_fds()
+    for stop_after in (0, 1, 5):
+        with ns.load(tokens) as stream:
+            for index, _ in stream:
+                if index == stop_after:
+                    break
+        assert stream.closed
+        assert small_ring.staging_stats()["host"].in_use == 0
+        assert _open_fds() == fds
+    stream = ns.load(tokens)
+    stream.close()  # closing before reading anything
+    assert threading.active_count() == threads
+    assert _open_fds() == fds
+    assert small_ring.staging_stats()["host"].in_use == 0
+    for got, want in zip(load_all(ns, tokens), layers, strict=True):  # still works
+        assert layers_equal(got, want)
+
+
+def test_corruption_mid_stream_reports_delivered_layers_and_cleans_up(small_ring: TenantKV) -> None:
+    small_ring.create_tenant("acme")
+    layout = KVLayout.mla(6, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
+    ns = small_ring.namespace("acme", model="m", layout=layout)
+    tokens = random_tokens(4 * 64)
+    layers = random_layers(layout, len(tokens))
+    ns.store(tokens, layers)
+    load_all(ns, tokens)  # positive control, and warm pools
+    threads, fds = threading.active_count(), _open_fds()
+    (extent_id,) = small_ring.store_backend.list()
+    path = small_ring.store_backend.path_of(extent_id)  # type: ignore[attr-defined]
+    data = bytearray(path.read_bytes())
+    data[32 + (3 * 4 + 2) * SEGMENT + 100] ^= 0x01  # layer 3, block 2
+    path.write_bytes(bytes(data))
+
+    delivered: list[int] = []
+    with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
+        for index, layer in stream:
+            assert torch.equal(layer, layers[index])  # type: ignore[arg-type]
+            delivered.append(index)
+    assert delivered == [0, 1, 2]
+    assert caught.value.delivered_layers == 3
+    assert small_ring.security_events() == {"segment_open_failed": 1}
+    assert ns.lookup(tokens) == 0
+    assert small_ring.staging_stats()["host"].in_use == 0
+    assert threading.active_count() == threads
+    assert _open_fds() == fds
+
+
+def test_concurrent_loads_of_different_tenants_share_the_ring(small_ring: TenantKV) -> None:
+    tenants = [f"tenant{i}" for i in range(6)]
+    data = {}
+    for i, name in enumerate(tenants):
+        small_ring.create_tenant(name)
+        ns = small_ring.namespace(name, model="m", layout=MLA)
+        # Each tenant's KV is a constant canary value, so a byte from another tenant shows.
+        tokens = random_tokens(6 * 64, seed=100 + i)
+        layers = [
+            torch.full((len(tokens), MLA.values_per_token), float(i + 1), dtype=MLA.dtype)
+            for _ in range(MLA.num_layers)
+        ]
+        ns.store(tokens, layers)
+        data[name] = (ns, tokens, float(i + 1))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(tenants))
+
+    def load(name: str) -> None:
+        ns, tokens, canary = data[name]
+        try:
+            barrier.wait()
+            for _ in range(4):
+                with ns.load(tokens) as stream:
+                    for _, layer in stream:
+                        assert bool((layer == canary).all()), f"{name} got another tenant's bytes"
+        except BaseException as err:
+            errors.append(err)
+
+    workers = [threading.Thread(target=load, args=(name,)) for name in tenants]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors, errors
+    stats = small_ring.staging_stats()["host"]
+    assert stats.in_use == 0
+    assert stats.peak_in_use == stats.slots == 3
+    assert stats.waits > 0, "the ring never pushed back, so the test did not exercise sharing"
+
+
+def test_fresh_layers_cover_exactly_their_rows_after_a_longer_load(kv: TenantKV) -> None:
+    kv.create_tenant("big")
+    kv.create_tenant("small")
+    big = kv.namespace("big", model="m", layout=MLA)
+    small = kv.namespace("small", model="m", layout=MLA)
+    long_tokens, short_tokens = random_tokens(10 * 64, seed=1), random_tokens(64, seed=2)
+    big.store(long_tokens, [torch.full((640, 64), 9.0, dtype=MLA.dtype)] * MLA.num_layers)
+    small.store(short_tokens, [torch.full((64, 64), 1.0, dtype=MLA.dtype)] * MLA.num_layers)
+    load_all(big, long_tokens)
+    for layer in load_all(small, short_tokens):
+        assert isinstance(layer, torch.Tensor)
+        assert layer.shape[0] == 64 and bool((layer == 1.0).all())
+
+
+def test_prefetch_reports_the_cached_prefix_and_loads_follow(kv: TenantKV) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(5 * 64 + 10)
+    layers = random_layers(MLA, len(tokens))
+    assert ns.prefetch(tokens) == 0  # nothing cached yet
+    ns.store(tokens, layers)
+    assert ns.prefetch(tokens) == 5 * 64
+    assert ns.prefetch(tokens[:130]) == 128
+    other = kv.namespace("acme", model="m", layout=MLA, scope="other")
+    assert other.prefetch(tokens) == 0  # isolation: another scope gets nothing
+    for got, want in zip(load_all(ns, tokens[: 5 * 64]), layers, strict=True):
+        assert layers_equal(got, prefix_of(want, 5 * 64))
+
+
+def test_closing_the_cache_closes_open_streams(tmp_path: Path) -> None:
+    kv = tenantkv.open(tmp_path / "cache", durable=False)
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(128)
+    ns.store(tokens, random_layers(MLA, 128))
+    stream = ns.load(tokens)
+    kv.close()
+    assert stream.closed
+    with pytest.raises(tenantkv.CacheClosedError):
+        stream.wait_for_layer(0)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("layout", [MLA, MHA], ids=["mla", "mha"])
+def test_cuda_load_orders_layers_with_events(kv: TenantKV, layout: KVLayout) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=layout)
+    tokens = random_tokens(6 * 64)
+    layers = random_layers(layout, len(tokens))
+    ns.store(tokens, layers)
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer), ns.load(tokens, device="cuda") as stream:
+        for index in range(layout.num_layers):
+            layer = stream.wait_for_layer(index)  # the consumer stream now waits on the event
+            got = (
+                layer.cpu() if isinstance(layer, torch.Tensor) else (layer[0].cpu(), layer[1].cpu())
+            )
+            assert layers_equal(got, layers[index])
+    assert kv.staging_stats()["pinned"].in_use == 0
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_out_buffers_keep_their_pointers(kv: TenantKV) -> None:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(4 * 64)
+    layers = random_layers(MLA, len(tokens))
+    ns.store(tokens, layers)
+    out = [
+        torch.zeros(8 * 64, MLA.values_per_token, dtype=MLA.dtype, device="cuda") for _ in layers
+    ]
+    pointers = [buffer.data_ptr() for buffer in out]
+    with ns.load(tokens, device="cuda", out=out, block_rows=[256, 0, 64, 448]) as stream:
+        for index, layer in stream:
+            assert layer is out[index]
+    torch.cuda.synchronize()
+    for index, buffer in enumerate(out):
+        assert buffer.data_ptr() == pointers[index]
+        want = layers[index]
+        assert isinstance(want, torch.Tensor)
+        for block, row in enumerate([256, 0, 64, 448]):
+            assert torch.equal(buffer[row : row + 64].cpu(), want[block * 64 : block * 64 + 64])
