@@ -30,6 +30,7 @@ from .crypto import (
     default_master_key_provider,
     new_key,
 )
+from .buffers import RecyclingPool
 from .database import Database
 from .errors import CacheClosedError, InvalidRequestError, TenantExistsError, TenantNotFoundError
 from .layout import KVLayout
@@ -113,6 +114,8 @@ class TenantKV:
             False: StagingRing(staging_bytes, staging_slot_bytes),
         }
         self._ring_config = (staging_bytes, staging_slot_bytes)
+        # Host memory for fresh CPU layers, recycled once callers drop them (see buffers.py).
+        self.layer_pool = RecyclingPool(max_bytes=256 * 2**20)
         self._streams: weakref.WeakSet[LoadStream] = weakref.WeakSet()
         self._closed = False
         self._lock = threading.Lock()

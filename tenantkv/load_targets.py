@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .buffers import RecyclingPool
 from .errors import InvalidRequestError
 from .layout import KVLayout, Layer
 from .prefix import BLOCK_TOKENS
@@ -79,8 +80,10 @@ class LoadTarget:
         num_blocks: int,
         out: Sequence[Any] | None,
         block_rows: Sequence[int] | None,
+        host_pool: RecyclingPool | None = None,
     ) -> None:
         self.layout = layout
+        self._host_pool = host_pool
         self.device = _normalise_device(device)
         self.num_blocks = num_blocks
         self.block_rows = self._check_block_rows(block_rows, num_blocks, out is not None)
@@ -156,11 +159,11 @@ class LoadTarget:
     def new_layer(self, layer: int) -> LayerOutput:
         layout = self.layout
         if self.out is None:
-            rows = torch.empty(
-                (self.num_blocks * BLOCK_TOKENS, layout.token_bytes),
-                dtype=torch.uint8,
-                device=self.device,
-            )
+            shape = (self.num_blocks * BLOCK_TOKENS, layout.token_bytes)
+            if self.device.type == "cpu" and self._host_pool is not None:
+                rows = self._host_pool.tensor(shape[0] * shape[1]).view(shape)
+            else:
+                rows = torch.empty(shape, dtype=torch.uint8, device=self.device)
             return LayerOutput(rows=rows, pair=None, result=layout.layer_from_rows(rows))
         entry = self.out[layer]
         if layout.kind == "mla":

@@ -178,6 +178,7 @@ class LoadStream:
         self._released = 0  # layers before this were handed over by iteration and let go
         self._handed: set[int] = set()
         self._broken: ExtentFailure | None = None  # first failure: schedule nothing more
+        self._failure_handled = threading.Event()  # set once _broken was evicted and recorded
         self._failed: LoadError | None = None  # the error raised to the caller
         self._closed = False
         with self._lock:
@@ -308,7 +309,10 @@ class LoadStream:
         if first_failure is not None:
             # Evict and record at detection, even if the caller never reaches this layer, and
             # before any waiter can see the error (a caller's next lookup must already miss).
-            self._on_failure(first_failure)
+            try:
+                self._on_failure(first_failure)
+            finally:
+                self._failure_handled.set()
         if layer_done:
             if state.error is None and self._stream is not None:
                 state.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -335,10 +339,14 @@ class LoadStream:
             broken = self._broken
         if state is None:  # never scheduled: an earlier layer failed
             assert broken is not None, "an unscheduled layer implies a failed stream"
+            self._failure_handled.wait()
             raise self._fail(broken)
         state.done.wait()
         if state.error is not None:
             if isinstance(state.error, ExtentFailure):
+                # Another chunk may have completed the layer while the failure is still being
+                # handled; the caller must not see the error before the extent is evicted.
+                self._failure_handled.wait()
                 raise self._fail(state.error)
             if isinstance(state.error, _Cancelled):
                 raise CacheClosedError("the load stream was closed while waiting")

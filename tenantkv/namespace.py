@@ -355,7 +355,9 @@ class Namespace:
                 "use lookup() to find the cached length"
             )
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
-        target = LoadTarget(self.layout, target_device, len(keys), out, block_rows)
+        target = LoadTarget(
+            self.layout, target_device, len(keys), out, block_rows, self._kv.layer_pool
+        )
         try:
             plan = self._plan(keys)
         except SQLAlchemyError as err:
@@ -380,8 +382,7 @@ class Namespace:
                 cpu_executor=self._kv.executor,
                 io_executor=self._kv.io_executor,
                 ring=self._kv.staging_ring(pinned=target.device.type == "cuda"),
-                # Caller buffers cost no memory to fill ahead; fresh layers are bounded.
-                window=self.layout.num_layers if out is not None else self._kv.window,
+                window=self._kv.window,
                 on_failure=self._handle_failure,
             )
         except BaseException:
