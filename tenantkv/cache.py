@@ -19,6 +19,7 @@ from typing import Any, Self
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 
+from .buffers import RecyclingPool
 from .crypto import (
     DEFAULT_SUITE,
     CipherSuite,
@@ -30,7 +31,6 @@ from .crypto import (
     default_master_key_provider,
     new_key,
 )
-from .buffers import RecyclingPool
 from .database import Database
 from .errors import CacheClosedError, InvalidRequestError, TenantExistsError, TenantNotFoundError
 from .layout import KVLayout
