@@ -34,6 +34,7 @@ fail to open with :class:`SealOpenError`.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -121,6 +122,52 @@ class ExtentCipher:
             raise ValueError(f"output must hold {length + TAG_BYTES} bytes, has {len(out)}")
         aad = self.associated_data(block_key, layer, length)
         self._aead.encrypt_into(self.nonce(layer, slot), plaintext, aad, out)
+
+    def open_many_into(
+        self,
+        first_slot: int,
+        layer: int,
+        block_keys: Sequence[bytes],
+        sealed: memoryview,
+        outs: Sequence[memoryview],
+    ) -> None:
+        """Open consecutive segments ``first_slot ..`` of one layer, packed back to back in
+        ``sealed``, into ``outs`` (one view per segment, all the same length).
+
+        Equivalent to :meth:`open_into` per segment, with the per-segment work cut to the
+        AEAD call: loads open thousands of segments per prefix.
+        """
+        if not outs:
+            return
+        length = len(outs[0])
+        stride = length + TAG_BYTES
+        count = len(outs)
+        if len(block_keys) != count or len(sealed) != count * stride:
+            raise SealOpenError("sealed segments have the wrong length")
+        if any(len(out) != length for out in outs):
+            raise SealOpenError("output views differ in length")
+        try:
+            tail = _AAD_TAIL.pack(layer, length)
+            self.nonce(layer, first_slot + count - 1)  # range check of the last (largest) slot
+            self.nonce(layer, first_slot)
+        except (ValueError, struct.error):
+            raise SealOpenError("segment position is out of range") from None
+        head = self._aad_head
+        decrypt_into = self._aead.decrypt_into
+        pack_nonce = _NONCE.pack
+        try:
+            for j, out in enumerate(outs):
+                key = block_keys[j]
+                if len(key) != BLOCK_KEY_BYTES:
+                    raise SealOpenError("a block key has the wrong length")
+                decrypt_into(
+                    pack_nonce(layer, first_slot + j),
+                    sealed[j * stride : (j + 1) * stride],
+                    head + key + tail,
+                    out,
+                )
+        except InvalidTag:
+            raise SealOpenError("segment failed to open") from None
 
     def open_into(
         self, slot: int, layer: int, block_key: bytes, sealed: memoryview, out: memoryview

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -87,7 +88,7 @@ class TenantKV:
         suite: CipherSuite = DEFAULT_SUITE,
         strict: bool = False,
         workers: int | None = None,
-        io_threads: int | None = None,
+        load_threads: int | None = None,
         window: int | None = None,
         staging_bytes: int = DEFAULT_RING_BYTES,
         staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
@@ -104,12 +105,16 @@ class TenantKV:
         self.clock = clock
         self.events = SecurityEventLog()
         self.workers = workers or os.cpu_count() or 1
-        # Layers in flight per load/store: enough to keep every worker busy, bounded in memory.
-        self.window = window or 2 * self.workers
-        self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-cpu")
-        # Readers mostly wait on storage; their own pool keeps that waiting off the CPU workers.
-        self.io_threads = io_threads or max(2, self.workers)
-        self.io_executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="tenantkv-io")
+        # Layers a load keeps ready ahead of its caller (and a store seals ahead of its writes):
+        # the next layers arrive while the caller works on one, and memory stays bounded.
+        self.window = window or max(2, self.workers)
+        self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-seal")
+        # Loads read and open chunks on their own pool, so a large store never delays a load's
+        # first layer, and bookkeeping (recording block use) runs there in the background.
+        self.load_threads = load_threads or max(2, self.workers)
+        self.load_executor = ThreadPoolExecutor(
+            self.load_threads, thread_name_prefix="tenantkv-load"
+        )
         self._rings = {
             False: StagingRing(staging_bytes, staging_slot_bytes),
         }
@@ -124,7 +129,7 @@ class TenantKV:
             self._check_master_key(key_wrapper)
         except BaseException:
             self.executor.shutdown(wait=False)
-            self.io_executor.shutdown(wait=False)
+            self.load_executor.shutdown(wait=False)
             self.db.close()
             raise
 
@@ -156,7 +161,7 @@ class TenantKV:
             streams = list(self._streams)
         for stream in streams:  # their chunks must finish before the pools go away
             stream.close()
-        self.io_executor.shutdown(wait=True, cancel_futures=True)
+        self.load_executor.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.store_backend.close()
         self.db.close()
@@ -307,6 +312,11 @@ class TenantKV:
             rings = dict(self._rings)
         return {("pinned" if pinned else "host"): ring.stats() for pinned, ring in rings.items()}
 
+    def submit_background(self, task: Callable[..., object], *args: object) -> None:
+        """Run bookkeeping on the reader pool; dropped (never raised) once the cache closes."""
+        with contextlib.suppress(RuntimeError):
+            self.load_executor.submit(task, *args)
+
     def track_stream(self, stream: LoadStream) -> None:
         with self._lock:
             self._streams.add(stream)
@@ -352,7 +362,7 @@ class TenantKV:
             "cached_tokens": int(blocks) * 64,
             "stored_bytes": int(stored_bytes),
             "workers": self.workers,
-            "io_threads": self.io_threads,
+            "load_threads": self.load_threads,
             "staging_bytes": self._ring_config[0],
         }
 
@@ -367,7 +377,7 @@ def open(
     durable: bool = True,
     strict: bool = False,
     workers: int | None = None,
-    io_threads: int | None = None,
+    load_threads: int | None = None,
     staging_bytes: int = DEFAULT_RING_BYTES,
     staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
     clock: Callable[[], float] = time.time,
@@ -379,9 +389,10 @@ def open(
     ``<root>/master.key`` (created 0600 on first use). ``strict=True`` raises
     CacheUnavailableError where the serving path would otherwise degrade to a miss.
 
-    ``workers`` decrypt/seal threads (default one per core) and ``io_threads`` reader threads
-    serve every load; ``staging_bytes`` (default 64 MiB) bounds the host memory all loads use
-    for ciphertext in flight, in slots of ``staging_slot_bytes`` (default 4 MiB).
+    ``workers`` threads (default one per core) seal stores; ``load_threads`` threads (default
+    ``max(2, workers)``) read and open the chunks of every load; ``staging_bytes`` (default
+    64 MiB) bounds the host memory all loads use for ciphertext in flight, in slots of
+    ``staging_slot_bytes`` (default 4 MiB).
     """
     for name, value in (
         ("staging_bytes", staging_bytes),
@@ -414,7 +425,7 @@ def open(
         suite=parsed_suite,
         strict=strict,
         workers=workers,
-        io_threads=io_threads,
+        load_threads=load_threads,
         staging_bytes=staging_bytes,
         staging_slot_bytes=staging_slot_bytes,
         clock=clock,

@@ -2,15 +2,18 @@
 
 ::
 
-    reader threads ── read ciphertext chunk ──► staging ring slot ──► decrypt workers
-        (I/O pool)     (one range read each)     (bounded, shared)     decrypt_into the layer's
-                                                                       destination, or into the
-                                                                       slot then copy (MHA out=,
-                                                                       CUDA: on the load stream)
+    loader threads: take a staging-ring slot ─► read a chunk of ciphertext into it (one range read)
+                    ─► decrypt_into the layer's destination (or into the slot, then copy: MHA
+                       out=, and CUDA on the load's stream) ─► give the slot back
 
-A layer is split into chunks of consecutive segments that fit one staging slot. Readers fetch
-chunks of layers ``l+1 .. l+window`` while workers decrypt earlier ones and the caller consumes
-layer ``l``; the ring's fixed size gives back-pressure across every concurrent load. A layer is
+A layer is split into equal chunks of consecutive segments that fit one staging slot, and the
+chunks of layers ``l .. l+window`` are spread over the loader threads: while one thread opens a
+chunk of layer ``l``, another is already reading layer ``l+1``, and the caller consumes earlier
+layers. The ring's fixed size gives back-pressure across every concurrent load. (Handing each
+chunk from dedicated reader threads to separate decrypt workers was measured ~10% slower on the
+2-core development machines -- one extra thread hand-off per chunk -- so a thread that read a
+chunk also opens it; more loader threads than cores keep cores busy while a read waits on
+storage.) A layer is
 handed over only after every one of its segments opened. On CUDA each layer completes with an
 event on the load's own stream, and ``wait_for_layer`` makes the caller's current stream wait on
 it without blocking the host on GPU work.
@@ -102,8 +105,12 @@ class Chunk:
         return self.run.first_position + self.first
 
 
-def split_chunks(plan: ReadPlan, max_segments: int) -> list[Chunk]:
-    """Cut every run of ``plan`` into chunks of at most ``max_segments`` segments."""
+def split_chunks(plan: ReadPlan, max_segments: int, workers: int = 1) -> list[Chunk]:
+    """Cut every run of ``plan`` into equal chunks of at most ``max_segments`` segments.
+
+    A run is cut into a multiple of ``workers`` chunks (when it has enough segments), so that
+    every worker gets an equal share of a layer and none finishes the layer alone.
+    """
     if max_segments < 1:
         raise InvalidRequestError(
             "one segment does not fit a staging slot; open the cache with a larger "
@@ -111,8 +118,14 @@ def split_chunks(plan: ReadPlan, max_segments: int) -> list[Chunk]:
         )
     chunks: list[Chunk] = []
     for run in plan.runs:
-        for first in range(0, run.count, max_segments):
-            chunks.append(Chunk(run, first, min(max_segments, run.count - first)))
+        pieces = -(-run.count // max_segments)
+        pieces = min(run.count, -(-pieces // workers) * workers)
+        size, extra = divmod(run.count, pieces)
+        first = 0
+        for piece in range(pieces):
+            count = size + (piece < extra)
+            chunks.append(Chunk(run, first, count))
+            first += count
     return chunks
 
 
@@ -143,20 +156,21 @@ class LoadStream:
         layout: KVLayout,
         readers: dict[str, ExtentReader],
         target: LoadTarget,
-        cpu_executor: Executor,
-        io_executor: Executor,
+        pool: Executor,
         ring: StagingRing,
         window: int,
+        workers: int,
         on_failure: FailureHandler,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout
+        self._on_close = on_close
         self.num_layers = layout.num_layers
         self.num_tokens = plan.num_blocks * 64
         self.device = target.device
         self._target = target
         self._readers = readers
-        self._cpu = cpu_executor
-        self._io = io_executor
+        self._pool = pool
         self._ring = ring
         self._window = max(1, window)
         self._on_failure = on_failure
@@ -164,11 +178,19 @@ class LoadStream:
         per_segment = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
         if not target.direct:
             per_segment += self._segment_bytes  # the slot also holds the decrypted chunk
-        self._chunks = split_chunks(plan, ring.slot_bytes // per_segment)
+        self._chunks = split_chunks(plan, ring.slot_bytes // per_segment, workers)
+        # Layers being read/opened at once: enough chunks to keep every worker busy, and no
+        # more, so that a layer is not slowed by work on layers the caller needs later. Until
+        # layer 0 is done it runs alone: the time to the first layer is what the model waits on.
+        self._max_in_flight = max(2, -(-workers // len(self._chunks)) + 1) if self._chunks else 1
+        self._in_flight = 0
+        self._first_done = False
         self._stream: Any = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        self._lock = threading.Lock()
+        # Re-entrant: a future that is already done runs its callback (which takes the lock)
+        # inside add_done_callback, and workers schedule new layers from _chunk_finished.
+        self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._cancel = threading.Event()
         self._layers: dict[int, _LayerState] = {}
@@ -182,25 +204,33 @@ class LoadStream:
         self._failed: LoadError | None = None  # the error raised to the caller
         self._closed = False
         with self._lock:
-            self._schedule_through(self._window - 1)
+            self._schedule()
 
     # ---- scheduling (called with self._lock held) ----------------------------------------------
 
-    def _schedule_through(self, last: int) -> None:
-        last = min(last, self.num_layers - 1)
-        while self._next_layer <= last and self._broken is None and not self._closed:
-            layer = self._next_layer
+    def _schedule(self, demanded: int = -1) -> None:
+        """Start layers while fewer than ``_max_in_flight`` are in progress and the next one is
+        within ``window`` layers of what the caller has consumed; always up to ``demanded``."""
+        while self._next_layer < self.num_layers and self._broken is None and not self._closed:
+            ahead_ok = self._next_layer < self._released + self._window
+            limit = self._max_in_flight if self._first_done else 1
+            if self._next_layer > demanded and not (ahead_ok and self._in_flight < limit):
+                break
+            self._start_layer(self._next_layer)
             self._next_layer += 1
-            state = _LayerState(self._target.new_layer(layer), len(self._chunks))
-            self._layers[layer] = state
-            if not self._chunks:
-                state.done.set()
-                continue
-            for chunk in self._chunks:
-                self._outstanding += 1
-                future = self._io.submit(self._read_chunk, layer, chunk, state)
-                self._io_futures[future] = layer
-                future.add_done_callback(self._forget_io_future)
+
+    def _start_layer(self, layer: int) -> None:
+        state = _LayerState(self._target.new_layer(layer), len(self._chunks))
+        self._layers[layer] = state
+        if not self._chunks:
+            state.done.set()
+            return
+        self._in_flight += 1
+        for chunk in self._chunks:
+            self._outstanding += 1
+            future = self._pool.submit(self._process_chunk, layer, chunk, state)
+            self._io_futures[future] = layer
+            future.add_done_callback(self._forget_io_future)
 
     def _forget_io_future(self, future: Future[None]) -> None:
         with self._lock:
@@ -208,30 +238,20 @@ class LoadStream:
 
     # ---- pipeline stages (worker threads) ------------------------------------------------------
 
-    def _read_chunk(self, layer: int, chunk: Chunk, state: _LayerState) -> None:
-        """Reader: take a staging slot, read the chunk's ciphertext, hand it to a worker."""
+    def _process_chunk(self, layer: int, chunk: Chunk, state: _LayerState) -> None:
+        """Loader thread: take a staging slot, read the chunk's ciphertext, open it into the
+        layer's destination, give the slot back."""
         slot = self._ring.acquire(self._cancel)
         if slot is None:
             self._chunk_finished(layer, state, _Cancelled())
             return
         extent = chunk.run.extent
+        error: BaseException | None = None
         try:
             size = chunk.count * extent.geometry.sealed_bytes
             self._readers[extent.extent_id].readinto(
                 extent.geometry.offset(layer, chunk.slot), [slot.view[:size]]
             )
-            if self._cancel.is_set():
-                raise _Cancelled()
-            self._cpu.submit(self._open_chunk, layer, chunk, state, slot)
-        except BaseException as err:
-            self._ring.release(slot)
-            self._chunk_finished(layer, state, self._classify(extent.extent_id, layer, err))
-
-    def _open_chunk(self, layer: int, chunk: Chunk, state: _LayerState, slot: Slot) -> None:
-        """Worker: open the chunk's segments into the layer's destination; free the slot."""
-        error: BaseException | None = None
-        extent = chunk.run.extent
-        try:
             if self._cancel.is_set():
                 raise _Cancelled()
             self._open_into_destination(layer, chunk, state.output, slot)
@@ -250,28 +270,22 @@ class LoadStream:
         token_bytes = self.layout.token_bytes
         keys = chunk.run.block_keys
         rows = self._target.block_rows
-        open_into = extent.cipher.open_into
+        chunk_keys = keys[chunk.first : chunk.first + chunk.count]
+        ciphertext = slot.view[: chunk.count * sealed]
         if output.bytes is not None and self._target.direct:
             out = output.bytes
-            for j in range(chunk.count):
-                start = rows[chunk.position + j] * token_bytes
-                open_into(
-                    chunk.slot + j,
-                    layer,
-                    keys[chunk.first + j],
-                    slot.view[j * sealed : (j + 1) * sealed],
-                    out[start : start + segment],
-                )
+            starts = [
+                rows[p] * token_bytes for p in range(chunk.position, chunk.position + chunk.count)
+            ]
+            outs = [out[start : start + segment] for start in starts]
+            extent.cipher.open_many_into(chunk.slot, layer, chunk_keys, ciphertext, outs)
             return
         plain_at = chunk.count * sealed
-        for j in range(chunk.count):
-            open_into(
-                chunk.slot + j,
-                layer,
-                keys[chunk.first + j],
-                slot.view[j * sealed : (j + 1) * sealed],
-                slot.view[plain_at + j * segment : plain_at + (j + 1) * segment],
-            )
+        outs = [
+            slot.view[plain_at + j * segment : plain_at + (j + 1) * segment]
+            for j in range(chunk.count)
+        ]
+        extent.cipher.open_many_into(chunk.slot, layer, chunk_keys, ciphertext, outs)
         plain = slot.tensor[plain_at : plain_at + chunk.count * segment].view(-1, token_bytes)
         if self._stream is None:
             self._target.place(output, chunk.position, plain)
@@ -303,6 +317,10 @@ class LoadStream:
             if isinstance(error, ExtentFailure) and self._broken is None:
                 self._broken = first_failure = error
             layer_done = state.remaining == 0
+            if layer_done:
+                self._in_flight -= 1
+                self._first_done = True
+                self._schedule()
             self._outstanding -= 1
             if self._outstanding == 0:
                 self._idle.notify_all()
@@ -334,7 +352,7 @@ class LoadStream:
                 raise InvalidRequestError(
                     f"layer {index} was already handed over by iteration and released"
                 )
-            self._schedule_through(index)
+            self._schedule(demanded=index)
             state = self._layers.get(index)
             broken = self._broken
         if state is None:  # never scheduled: an earlier layer failed
@@ -377,7 +395,7 @@ class LoadStream:
                 # allocator then reuses its memory for the layers that follow.
                 self._layers.pop(index, None)
                 self._released = index + 1
-                self._schedule_through(index + self._window)
+                self._schedule()
             yield index, layer
         self.close()
 
@@ -437,6 +455,10 @@ class LoadStream:
             states = list(self._layers.values())
         for state in states:
             state.done.set()  # no waiter may block on a layer that will never complete
+        with self._lock:
+            self._layers.clear()  # let go of layer buffers the caller was never handed
+        if self._on_close is not None:
+            self._on_close()
         for reader in self._readers.values():
             with contextlib.suppress(StorageError, OSError):
                 reader.close()

@@ -379,18 +379,20 @@ class Namespace:
                 layout=self.layout,
                 readers=readers,
                 target=target,
-                cpu_executor=self._kv.executor,
-                io_executor=self._kv.io_executor,
+                pool=self._kv.load_executor,
                 ring=self._kv.staging_ring(pinned=target.device.type == "cuda"),
                 window=self._kv.window,
+                workers=self._kv.workers,
                 on_failure=self._handle_failure,
+                # Record the use after the load, off its critical path (the index write would
+                # otherwise compete for the interpreter with the first layer's workers).
+                on_close=lambda: self._kv.submit_background(self._touch, keys),
             )
         except BaseException:
             for reader in readers.values():
                 reader.close()
             raise
         self._kv.track_stream(stream)
-        self._kv.io_executor.submit(self._touch, keys)  # off the path to the first layer
         return stream
 
     def prefetch(self, tokens: Any) -> int:
@@ -435,21 +437,18 @@ class Namespace:
     def _plan(self, keys: list[BlockKey]) -> ReadPlan:
         """Where every block of ``keys`` lies, with the cipher of each extent; or CacheMissError."""
         located: dict[bytes, tuple[str, int]] = {}
-        extents: dict[str, Extent] = {}
         with self._kv.db.read() as session:
+            # Plain column queries, not ORM entities: this is on the path to the first layer.
             for start in range(0, len(keys), _QUERY_CHUNK):
                 chunk = keys[start : start + _QUERY_CHUNK]
                 rows = session.execute(
-                    select(Block.block_key, Block.slot, Extent)
-                    .join(Extent, Extent.id == Block.extent_id)
-                    .where(
+                    select(Block.block_key, Block.extent_id, Block.slot).where(
                         Block.namespace_id == self.identity.namespace_id,
                         Block.block_key.in_(chunk),
                     )
                 ).all()
-                for block_key, slot, extent in rows:
-                    located[block_key] = (extent.id, slot)
-                    extents[extent.id] = extent
+                for block_key, extent_id, slot in rows:
+                    located[block_key] = (extent_id, slot)
                 if len(rows) < len(chunk):
                     break
             cached = self._run_from_zero(keys, located)
@@ -457,6 +456,20 @@ class Namespace:
                 raise CacheMissError(
                     f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
                 )
+            extents = {
+                row.id: row
+                for row in session.execute(
+                    select(
+                        Extent.id,
+                        Extent.key_version,
+                        Extent.suite,
+                        Extent.salt,
+                        Extent.num_blocks,
+                        Extent.num_layers,
+                        Extent.segment_bytes,
+                    ).where(Extent.id.in_({extent_id for extent_id, _ in located.values()}))
+                )
+            }
             versions = {row.key_version for row in extents.values()}
             wrapped: dict[int, bytes] = {
                 version: key

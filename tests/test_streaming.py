@@ -33,10 +33,12 @@ def _open_fds() -> int:
 
 @pytest.fixture
 def small_ring(tmp_path: Path) -> Iterator[TenantKV]:
-    """A cache whose ring holds 3 slots of 2 segments: layers split into chunks and wait."""
+    """A cache whose ring holds 3 slots of 2 segments for 4 loader threads: layers split into
+    chunks, and threads wait for slots."""
     cache = tenantkv.open(
         tmp_path / "cache",
         durable=False,
+        load_threads=4,
         staging_slot_bytes=2 * (SEGMENT + 64 * MLA.token_bytes),
         staging_bytes=3 * 2 * (SEGMENT + 64 * MLA.token_bytes),
     )
