@@ -38,7 +38,8 @@ layer), in one run (warm page cache throughout, nothing is dropped; throughput i
    VmHWM (``/proc/self/status``) is read before and after as a cross-check: when it rose
    during the load, it is the exact peak. Target: flat in the prefix size, within the
    staging ring (64 MiB by default) + the layers in flight (window = max(2, cores) ready
-   ahead of the caller, plus the one it holds; +16 MiB slack for the
+   ahead of the caller, plus the current and the previous one its loop variable holds;
+   +16 MiB slack for the
    interpreter, threads and SQLite).
 
 Each prefix is stored once (untimed) before its loads, and every method's output is
@@ -111,9 +112,9 @@ THROUGHPUT_TARGET = 0.9  # tenantkv load / aes-gcm load limit
 TTFL_RATIO_TARGET = 3.0  # TTFL <= 3/L of the total
 TTFL_ABS_TARGET_MS = 10.0
 DEFAULT_RING_BYTES = 64 * MiB  # tenantkv's staging ring default, if it does not say
-# tenantkv keeps `window` = max(2, cores) fresh layers ready ahead of the caller, plus the one
-# the caller holds.
-IN_FLIGHT_LAYERS = max(2, os.cpu_count() or 1) + 1
+# tenantkv keeps `window` = max(2, cores) fresh layers ready ahead of the caller; the caller's
+# loop variable holds the current layer, and the previous one until the next arrives.
+IN_FLIGHT_LAYERS = max(2, os.cpu_count() or 1) + 2
 RSS_SLACK_BYTES = 16 * MiB
 
 MODES = ("fresh", "out")
