@@ -110,5 +110,16 @@ class BlockStore(abc.ABC):
     def list(self) -> Iterator[str]:
         """The ids of all committed extents (for orphan sweeps and checks)."""
 
+    @abc.abstractmethod
+    def modified_at(self, extent_id: str) -> float:
+        """When the extent was committed (epoch seconds); ExtentNotFoundError if absent."""
+
+    def sweep_temporary(self, older_than: float | None = None) -> int:
+        """Remove leftovers of writers that crashed (older than ``older_than``); return how many.
+
+        Backends without such leftovers return 0.
+        """
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release backend resources."""

@@ -212,14 +212,23 @@ class LocalBlockStore(BlockStore):
                 if entry.name.endswith(_EXTENT_SUFFIX) and _ID_PATTERN.fullmatch(stem):
                     yield stem
 
-    def sweep_temporary(self) -> int:
+    def modified_at(self, extent_id: str) -> float:
+        try:
+            return self.path_of(extent_id).stat().st_mtime
+        except FileNotFoundError:
+            raise ExtentNotFoundError(f"no extent {extent_id}") from None
+
+    def sweep_temporary(self, older_than: float | None = None) -> int:
         """Remove ``.part`` files left by crashed writers; return how many were removed.
 
-        Only call this when no writer of this root is running (at start-up or under GC's lock).
+        With ``older_than`` (epoch seconds) only files last written before it go, which is safe
+        while writers run; without it, call this only when no writer of this root is running.
         """
         removed = 0
         for entry in self.temp_dir.glob("*.part"):
             with contextlib.suppress(FileNotFoundError):
+                if older_than is not None and entry.stat().st_mtime > older_than:
+                    continue
                 entry.unlink()
                 removed += 1
         return removed

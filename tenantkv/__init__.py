@@ -12,7 +12,7 @@
         for layer_index, layer in stream: ...
 """
 
-from .cache import TenantInfo, TenantKV, open
+from .cache import TenantKV, open
 from .crypto import MasterKeyError
 from .errors import (
     CacheClosedError,
@@ -20,15 +20,19 @@ from .errors import (
     CacheUnavailableError,
     InvalidRequestError,
     LoadError,
+    QuotaExceededError,
     SegmentIntegrityError,
     TenantExistsError,
     TenantKVError,
     TenantNotFoundError,
 )
+from .gc import GcReport
 from .layout import KVLayout, Layer
 from .loader import LoadStream
+from .metering import UsageReport
 from .namespace import Namespace
 from .prefix import BLOCK_TOKENS
+from .tenants import TenantInfo
 
 __version__ = "0.1.0"
 
@@ -37,6 +41,7 @@ __all__ = [
     "CacheClosedError",
     "CacheMissError",
     "CacheUnavailableError",
+    "GcReport",
     "InvalidRequestError",
     "KVLayout",
     "Layer",
@@ -44,12 +49,14 @@ __all__ = [
     "LoadStream",
     "MasterKeyError",
     "Namespace",
+    "QuotaExceededError",
     "SegmentIntegrityError",
     "TenantExistsError",
     "TenantInfo",
     "TenantKV",
     "TenantKVError",
     "TenantNotFoundError",
+    "UsageReport",
     "__version__",
     "open",
 ]

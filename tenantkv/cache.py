@@ -5,21 +5,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import secrets
+import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from . import tenants
 from .buffers import RecyclingPool
 from .crypto import (
     DEFAULT_SUITE,
@@ -33,40 +34,37 @@ from .crypto import (
     new_key,
 )
 from .database import Database
-from .errors import CacheClosedError, InvalidRequestError, TenantExistsError, TenantNotFoundError
+from .errors import (
+    CacheClosedError,
+    InvalidRequestError,
+    QuotaExceededError,
+    TenantNotFoundError,
+)
+from .gc import BackgroundGc, GcReport, Progress
+from .gc import collect as gc_collect
 from .layout import KVLayout
 from .loader import LoadStream
+from .metering import DEFAULT_HIT_COST, Meter, UsageReport, read_usage
 from .models import Block, DataKey, Extent, SchemaInfo, Tenant
 from .models import Namespace as NamespaceRow
 from .namespace import Namespace, NamespaceIdentity
 from .prefix import model_fingerprint
+from .quota import Evicted, total_quota
+from .reseal import reseal_tenant
 from .security_events import SecurityEvent, SecurityEventLog
 from .staging import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES, RingStats, StagingRing
 from .storage import BlockStore, LocalBlockStore, StorageError
+from .tenants import TenantInfo
 
 logger = logging.getLogger("tenantkv")
 
-_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_SCOPE = 256
 _MAX_MODEL = 256
+_CAPACITY = "capacity_bytes"
+_OVERCOMMIT = "allow_overcommit"
+DEFAULT_QUOTA_BYTES = 2**30
 _KEY_CHECK = "master_key_check"
 _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
-
-
-@dataclass(frozen=True)
-class TenantInfo:
-    name: str
-    created_at: float
-    key_version: int
-
-
-def _check_tenant_name(name: Any) -> str:
-    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
-        raise InvalidRequestError(
-            f"tenant name {name!r} is invalid: 1-128 characters of letters, digits, '.', '_' "
-            "or '-', starting with a letter or digit"
-        )
-    return name
 
 
 def _check_label(what: str, value: Any, limit: int) -> str:
@@ -92,6 +90,11 @@ class TenantKV:
         window: int | None = None,
         staging_bytes: int = DEFAULT_RING_BYTES,
         staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
+        capacity_bytes: int | None = None,
+        allow_overcommit: bool | None = None,
+        default_quota_bytes: int = DEFAULT_QUOTA_BYTES,
+        hit_cost: float = DEFAULT_HIT_COST,
+        gc_interval: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         from .keyring import Keyring
@@ -104,6 +107,13 @@ class TenantKV:
         self.strict = strict
         self.clock = clock
         self.events = SecurityEventLog()
+        self.log = logger
+        self.meter = Meter()
+        self.default_quota_bytes = default_quota_bytes
+        self.hit_cost = hit_cost
+        self._pins: Counter[str] = Counter()
+        self._pins_lock = threading.Lock()
+        self._gc: BackgroundGc | None = None
         self.workers = workers or os.cpu_count() or 1
         # Layers a load keeps ready ahead of its caller (and a store seals ahead of its writes):
         # the next layers arrive while the caller works on one, and memory stays bounded.
@@ -127,6 +137,9 @@ class TenantKV:
         try:
             self.db.create_schema()
             self._check_master_key(key_wrapper)
+            self.capacity_bytes, self.allow_overcommit = self._settle_capacity(
+                capacity_bytes, allow_overcommit
+            )
         except BaseException:
             self.executor.shutdown(wait=False)
             self.load_executor.shutdown(wait=False)
@@ -151,6 +164,46 @@ class TenantKV:
         except SealOpenError:
             raise MasterKeyError("the master key does not open this cache's index") from None
 
+    def _settle_capacity(
+        self, capacity_bytes: int | None, allow_overcommit: bool | None
+    ) -> tuple[int, bool]:
+        """The store's capacity and overcommit policy: given values are persisted (a change of
+        policy is recorded as a security event), otherwise the stored ones (or the defaults:
+        the size of the file system holding the root, no overcommit) apply."""
+        with self.db.write() as session:
+            stored_capacity = session.get(SchemaInfo, _CAPACITY)
+            stored_overcommit = session.get(SchemaInfo, _OVERCOMMIT)
+            if capacity_bytes is None:
+                capacity = (
+                    int(stored_capacity.value)
+                    if stored_capacity is not None
+                    else shutil.disk_usage(self.root).total
+                )
+            else:
+                capacity = tenants.check_quota(capacity_bytes)
+            overcommit = (
+                stored_overcommit is not None and stored_overcommit.value == "1"
+                if allow_overcommit is None
+                else bool(allow_overcommit)
+            )
+            if not overcommit:
+                reserved = total_quota(session)
+                if reserved > capacity:
+                    raise QuotaExceededError(
+                        f"tenants reserve {reserved} bytes, more than a capacity of {capacity}; "
+                        "raise the capacity, lower quotas, or allow overcommit"
+                    )
+            session.merge(SchemaInfo(name=_CAPACITY, value=str(capacity)))
+            previous = stored_overcommit.value == "1" if stored_overcommit is not None else False
+            session.merge(SchemaInfo(name=_OVERCOMMIT, value="1" if overcommit else "0"))
+        if overcommit != previous:
+            self.events.record(
+                "overcommit_changed",
+                "",
+                f"quota overcommit {'allowed' if overcommit else 'disallowed'} by the operator",
+            )
+        return capacity, overcommit
+
     # ---- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -159,8 +212,14 @@ class TenantKV:
                 return
             self._closed = True
             streams = list(self._streams)
+        if self._gc is not None:
+            self._gc.stop()
         for stream in streams:  # their chunks must finish before the pools go away
             stream.close()
+        try:
+            self.meter.flush(self.db)
+        except SQLAlchemyError as err:
+            logger.warning("metering could not be saved at close: %s", err)
         self.load_executor.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.store_backend.close()
@@ -183,41 +242,109 @@ class TenantKV:
 
     # ---- tenants ------------------------------------------------------------------------------
 
-    def create_tenant(self, name: str) -> TenantInfo:
-        """Create a tenant with a fresh data key; a duplicate name raises TenantExistsError."""
+    def create_tenant(
+        self,
+        name: str,
+        *,
+        quota_bytes: int | None = None,
+        retention: Mapping[str, Any] | None = None,
+    ) -> TenantInfo:
+        """Create a tenant with a fresh data key.
+
+        ``quota_bytes`` (default: the cache's ``default_quota_bytes``) is reserved out of the
+        store's capacity; ``retention`` maps classes to durations (``{"agent": "3d"}``; classes
+        not named keep the defaults agent 3d, chat 7d). A duplicate name raises
+        TenantExistsError; a quota that does not fit the capacity raises QuotaExceededError.
+        """
         self.check_open()
-        _check_tenant_name(name)
-        tenant_id = secrets.token_bytes(16)
-        now = self.clock()
-        wrapped = self.keyring.new_data_key(tenant_id, 1)
-        try:
-            with self.db.write() as session:
-                if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
-                    raise TenantExistsError(f"tenant {name!r} already exists")
-                session.add(Tenant(id=tenant_id, name=name, created_at=now, current_key_version=1))
-                session.flush()
-                session.add(
-                    DataKey(tenant_id=tenant_id, version=1, wrapped_key=wrapped, created_at=now)
-                )
-        except IntegrityError as err:  # a concurrent create won the race
-            raise TenantExistsError(f"tenant {name!r} already exists") from err
-        return TenantInfo(name=name, created_at=now, key_version=1)
+        return tenants.create_tenant(self, name, quota_bytes, retention)
+
+    def update_tenant(
+        self,
+        name: str,
+        *,
+        quota_bytes: int | None = None,
+        retention: Mapping[str, Any] | None = None,
+    ) -> TenantInfo:
+        """Change quota and/or retention; a lower quota evicts the tenant's LRU extents now."""
+        self.check_open()
+        return tenants.update_tenant(self, name, quota_bytes, retention)
 
     def get_tenant(self, name: str) -> TenantInfo:
         self.check_open()
-        with self.db.read() as session:
-            row = session.scalar(select(Tenant).where(Tenant.name == name))
-        if row is None:
-            raise TenantNotFoundError(f"no tenant named {name!r}")
-        return TenantInfo(
-            name=row.name, created_at=row.created_at, key_version=row.current_key_version
-        )
+        return tenants.get_tenant(self, name)
 
     def list_tenants(self) -> list[TenantInfo]:
         self.check_open()
+        return tenants.list_tenants(self)
+
+    def delete_tenant(self, name: str) -> None:
+        """Crypto-shred a tenant: its keys and index rows go in one transaction, then its bytes."""
+        self.check_open()
+        tenants.delete_tenant(self, name)
+
+    def rotate_keys(self, name: str) -> int:
+        """New writes of ``name`` use a new data-key version (returned); old ones stay readable."""
+        self.check_open()
+        return tenants.rotate_keys(self, name)
+
+    def retire_keys(self, name: str) -> dict[str, Any]:
+        """Re-seal every extent sealed with an old key version under the current one, then
+        destroy the old versions that nothing uses any more.
+
+        Extents a running load is reading are skipped (their version is kept); run it again
+        later to finish. Returns what was done.
+        """
+        self.check_open()
         with self.db.read() as session:
-            rows = session.scalars(select(Tenant).order_by(Tenant.name)).all()
-        return [TenantInfo(r.name, r.created_at, r.current_key_version) for r in rows]
+            row = session.scalar(select(Tenant).where(Tenant.name == name))
+            if row is None:
+                raise TenantNotFoundError(f"no tenant named {name!r}")
+            tenant_id, current = row.id, row.current_key_version
+        outcome = reseal_tenant(self, name, tenant_id, current)
+        with self.db.write() as session:
+            row = session.get(Tenant, tenant_id)
+            if row is None:
+                raise TenantNotFoundError(f"no tenant named {name!r}")
+            retired = tenants.unused_old_versions(session, row)
+            if retired:
+                session.execute(
+                    delete(DataKey).where(
+                        DataKey.tenant_id == tenant_id, DataKey.version.in_(retired)
+                    )
+                )
+            remaining = tenants.count_extents_with_old_keys(session, row)
+        self.keyring.forget_versions(tenant_id, retired)
+        return {
+            "resealed": outcome.resealed,
+            "dropped": outcome.dropped,
+            "skipped_in_use": outcome.skipped_in_use,
+            "retired_versions": sorted(retired),
+            "extents_on_old_keys": remaining,
+        }
+
+    def usage(
+        self,
+        name: str,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        scope: str | None = None,
+    ) -> UsageReport:
+        """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until)."""
+        self.check_open()
+        self.meter.flush(self.db)
+        with self.db.read() as session:
+            tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == name))
+        if tenant_id is None:
+            raise TenantNotFoundError(f"no tenant named {name!r}")
+        counters = read_usage(self.db, tenant_id, scope, since, until)
+        return UsageReport(name, scope, since, until, counters, self.hit_cost)
+
+    def gc(self, *, orphan_grace: float = 600.0, progress: Progress | None = None) -> GcReport:
+        """Remove expired extents (index first, bytes second) and orphaned files; flush metering."""
+        self.check_open()
+        return gc_collect(self, orphan_grace=orphan_grace, progress=progress)
 
     # ---- namespaces ---------------------------------------------------------------------------
 
@@ -232,7 +359,7 @@ class TenantKV:
     ) -> Namespace:
         """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
         self.check_open()
-        _check_tenant_name(tenant)
+        tenants.check_tenant_name(tenant)
         _check_label("model", model, _MAX_MODEL)
         if scope is not None:
             _check_label("scope", scope, _MAX_SCOPE)
@@ -286,17 +413,77 @@ class TenantKV:
 
     # ---- maintenance --------------------------------------------------------------------------
 
+    def start_background_gc(self, interval: float) -> None:
+        """Collect garbage every ``interval`` seconds until :meth:`close` (idempotent)."""
+        self.check_open()
+        if interval <= 0:
+            raise InvalidRequestError("the GC interval must be positive")
+        with self._lock:
+            if self._gc is None:
+                self._gc = BackgroundGc(self, interval)
+                self._gc.start()
+
+    def pin_extents(self, extent_ids: list[str]) -> None:
+        """Mark extents as read by a running load: eviction and GC leave them alone."""
+        with self._pins_lock:
+            self._pins.update(extent_ids)
+
+    def unpin_extents(self, extent_ids: list[str]) -> None:
+        with self._pins_lock:
+            self._pins.subtract(extent_ids)
+            for extent_id in extent_ids:
+                if self._pins[extent_id] <= 0:
+                    del self._pins[extent_id]
+
+    def pinned_extents(self) -> set[str]:
+        with self._pins_lock:
+            return set(self._pins)
+
+    def discard_evicted(self, tenant_id: bytes, evicted: list[Evicted]) -> None:
+        """After an eviction committed: remove the bytes and meter it."""
+        if not evicted:
+            return
+        now = self.clock()
+        scopes = self._scopes_of({e.namespace_id for e in evicted})
+        for item in evicted:
+            self.delete_extent_file(item.extent_id)
+            scope = scopes.get(item.namespace_id, "")
+            if item.expired:
+                self.meter.add(
+                    tenant_id, scope, now, expired_extents=1, expired_bytes=item.size_bytes
+                )
+            else:
+                self.meter.add(
+                    tenant_id, scope, now, evicted_extents=1, evicted_bytes=item.size_bytes
+                )
+
+    def _scopes_of(self, namespace_ids: set[bytes]) -> dict[bytes, str]:
+        with self.db.read() as session:
+            return dict(
+                session.execute(
+                    select(NamespaceRow.id, NamespaceRow.scope).where(
+                        NamespaceRow.id.in_(namespace_ids)
+                    )
+                ).tuples()
+            )
+
+    def delete_extent_file(self, extent_id: str) -> bool:
+        """Remove an extent's bytes (its index rows are already gone); failures are left to the
+        orphan sweep."""
+        try:
+            return self.store_backend.delete(extent_id)
+        except StorageError as err:
+            logger.warning(
+                "could not delete extent %s (left for the orphan sweep): %s", extent_id, err
+            )
+            return False
+
     def drop_extent(self, extent_id: str) -> None:
         """Remove an extent from the index (first) and the block store (second)."""
         with self.db.write() as session:
             session.execute(delete(Block).where(Block.extent_id == extent_id))
             session.execute(delete(Extent).where(Extent.id == extent_id))
-        try:
-            self.store_backend.delete(extent_id)
-        except StorageError as err:
-            logger.warning(
-                "could not delete extent %s (left for the orphan sweep): %s", extent_id, err
-            )
+        self.delete_extent_file(extent_id)
 
     def staging_ring(self, *, pinned: bool) -> StagingRing:
         """The ring shared by all loads (a pinned one, made on first use, for CUDA targets)."""
@@ -361,6 +548,8 @@ class TenantKV:
             "blocks": int(blocks),
             "cached_tokens": int(blocks) * 64,
             "stored_bytes": int(stored_bytes),
+            "capacity_bytes": self.capacity_bytes,
+            "allow_overcommit": self.allow_overcommit,
             "workers": self.workers,
             "load_threads": self.load_threads,
             "staging_bytes": self._ring_config[0],
@@ -380,6 +569,11 @@ def open(
     load_threads: int | None = None,
     staging_bytes: int = DEFAULT_RING_BYTES,
     staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
+    capacity_bytes: int | None = None,
+    allow_overcommit: bool | None = None,
+    default_quota_bytes: int = DEFAULT_QUOTA_BYTES,
+    hit_cost: float = DEFAULT_HIT_COST,
+    gc_interval: float | None = None,
     clock: Callable[[], float] = time.time,
 ) -> TenantKV:
     """Open (creating if needed) a cache rooted at ``root``.
@@ -393,6 +587,13 @@ def open(
     ``max(2, workers)``) read and open the chunks of every load; ``staging_bytes`` (default
     64 MiB) bounds the host memory all loads use for ciphertext in flight, in slots of
     ``staging_slot_bytes`` (default 4 MiB).
+
+    Quotas reserve capacity: ``capacity_bytes`` (persisted; default the size of the file system
+    holding the root) bounds the sum of tenant quotas unless ``allow_overcommit=True``
+    (persisted and recorded: it lets one tenant's growth crowd out another's reserved space).
+    ``default_quota_bytes`` (1 GiB) applies to tenants created without a quota; ``hit_cost``
+    (1/50) prices a token served from cache relative to a missed one; ``gc_interval`` starts a
+    background GC. ``clock`` is injectable for tests.
     """
     for name, value in (
         ("staging_bytes", staging_bytes),
@@ -428,5 +629,10 @@ def open(
         load_threads=load_threads,
         staging_bytes=staging_bytes,
         staging_slot_bytes=staging_slot_bytes,
+        capacity_bytes=capacity_bytes,
+        allow_overcommit=allow_overcommit,
+        default_quota_bytes=default_quota_bytes,
+        hit_cost=hit_cost,
+        gc_interval=gc_interval,
         clock=clock,
     )

@@ -56,3 +56,7 @@ class LoadError(TenantKVError):
 
 class SegmentIntegrityError(LoadError):
     """A stored segment failed to open: the extent was evicted and a security event recorded."""
+
+
+class QuotaExceededError(TenantKVError):
+    """A store (or a quota) does not fit: the tenant's quota, or the cache's capacity."""

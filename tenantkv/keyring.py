@@ -69,6 +69,12 @@ class Keyring:
             self._namespace_keys[namespace_id] = key
         return key
 
+    def forget_versions(self, tenant_id: bytes, versions: list[int]) -> None:
+        """Drop cached clear data keys of retired versions."""
+        with self._lock:
+            for version in versions:
+                self._data_keys.pop((tenant_id, version), None)
+
     def forget_tenant(self, tenant_id: bytes, namespace_ids: list[bytes]) -> None:
         """Drop a tenant's cached clear keys (after its wrapped keys were destroyed)."""
         with self._lock:

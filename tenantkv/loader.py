@@ -161,7 +161,7 @@ class LoadStream:
         window: int,
         workers: int,
         on_failure: FailureHandler,
-        on_close: Callable[[], None] | None = None,
+        on_close: Callable[[LoadStream], None] | None = None,
     ) -> None:
         self.layout = layout
         self._on_close = on_close
@@ -458,7 +458,7 @@ class LoadStream:
         with self._lock:
             self._layers.clear()  # let go of layer buffers the caller was never handed
         if self._on_close is not None:
-            self._on_close()
+            self._on_close(self)
         for reader in self._readers.values():
             with contextlib.suppress(StorageError, OSError):
                 reader.close()

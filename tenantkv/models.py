@@ -6,7 +6,7 @@ data and namespace keys are stored wrapped by the master key.
 
 from __future__ import annotations
 
-from sqlalchemy import ForeignKey, Index, LargeBinary, String, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -29,7 +29,10 @@ class Tenant(Base):
     id: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[float]
+    updated_at: Mapped[float]
     current_key_version: Mapped[int]
+    quota_bytes: Mapped[int] = mapped_column(BigInteger)
+    retention: Mapped[str] = mapped_column(String(1024))  # JSON: class name -> seconds
 
 
 class DataKey(Base):
@@ -69,13 +72,41 @@ class Extent(Base):
     namespace_id: Mapped[bytes] = mapped_column(
         ForeignKey("tkv_namespaces.id", ondelete="CASCADE"), index=True
     )
+    tenant_id: Mapped[bytes] = mapped_column(
+        ForeignKey("tkv_tenants.id", ondelete="CASCADE"), index=True
+    )
     key_version: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(64))  # retention class
     suite: Mapped[int]
     salt: Mapped[bytes] = mapped_column(LargeBinary(16))
     num_blocks: Mapped[int]
     num_layers: Mapped[int]
     segment_bytes: Mapped[int]  # plaintext bytes of one (block, layer) segment
+    size_bytes: Mapped[int] = mapped_column(BigInteger)  # bytes the extent takes in the store
     created_at: Mapped[float]
+    last_used_at: Mapped[float] = mapped_column(index=True)
+    expires_at: Mapped[float] = mapped_column(index=True)
+
+
+class Usage(Base):
+    """Metering counters of one tenant scope in one time bucket (added to, never rewritten)."""
+
+    __tablename__ = "tkv_usage"
+
+    tenant_id: Mapped[bytes] = mapped_column(
+        ForeignKey("tkv_tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    scope: Mapped[str] = mapped_column(String(256), primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # start, epoch seconds
+    hit_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    miss_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    served_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    stored_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    evicted_extents: Mapped[int] = mapped_column(BigInteger, default=0)
+    evicted_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    expired_extents: Mapped[int] = mapped_column(BigInteger, default=0)
+    expired_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class Block(Base):

@@ -25,6 +25,7 @@ from .errors import (
     CacheUnavailableError,
     InvalidRequestError,
     LoadError,
+    QuotaExceededError,
     SegmentIntegrityError,
     TenantNotFoundError,
 )
@@ -34,7 +35,10 @@ from .load_targets import LoadTarget
 from .loader import ExtentFailure, LoadStream, open_readers
 from .models import Block, DataKey, Extent, Tenant
 from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
+from .quota import Evicted, make_room
 from .read_plan import PlannedExtent, ReadPlan, group_runs
+from .retention import DEFAULT_KIND, check_kind
+from .retention import loads as loads_retention
 from .storage import ExtentWriter, StorageError
 from .tokens import as_token_array
 
@@ -98,13 +102,17 @@ class Namespace:
         nothing after a gap can extend the prefix.
         """
         found: set[bytes] = set()
+        now = self._kv.clock()
         with self._kv.db.read() as session:
             for start in range(0, len(keys), _QUERY_CHUNK):
                 chunk = list(keys[start : start + _QUERY_CHUNK])
                 rows = session.scalars(
-                    select(Block.block_key).where(
+                    select(Block.block_key)
+                    .join(Extent, Extent.id == Block.extent_id)
+                    .where(
                         Block.namespace_id == self.identity.namespace_id,
                         Block.block_key.in_(chunk),
+                        Extent.expires_at > now,  # expired blocks are misses before GC runs
                     )
                 ).all()
                 found.update(rows)
@@ -129,28 +137,36 @@ class Namespace:
         Index failures degrade to 0 (logged) unless the cache was opened with ``strict=True``.
         """
         self._kv.check_open()
-        keys = self._keys(tokens)
-        if not keys:
-            return 0
-        try:
-            present = self._present_keys(keys, stop_at_gap=True)
-        except SQLAlchemyError as err:
-            return self._degrade("lookup", err, 0)
-        return self._run_from_zero(keys, present) * BLOCK_TOKENS
+        token_array = as_token_array(tokens)
+        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        hit = 0
+        if keys:
+            try:
+                present = self._present_keys(keys, stop_at_gap=True)
+            except SQLAlchemyError as err:
+                hit = self._degrade("lookup", err, 0)
+            else:
+                hit = self._run_from_zero(keys, present) * BLOCK_TOKENS
+        self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
+        return hit
 
     # ---- store --------------------------------------------------------------------------------
 
-    def store(self, tokens: Any, layers: Sequence[Any]) -> int:
+    def store(self, tokens: Any, layers: Sequence[Any], *, kind: str = DEFAULT_KIND) -> int:
         """Store the full 64-token blocks of ``tokens`` that are not cached yet.
 
         ``layers`` holds one entry per model layer covering every token of ``tokens``: a tensor
         ``[T, kv_lora_rank + rope_dim]`` (MLA) or a pair ``(k, v)`` of ``[T, heads, head_dim]``
-        (MHA). Returns the number of tokens newly stored. Input is validated before anything is
-        written; a storage or index failure stores nothing (and returns 0 unless strict).
+        (MHA). ``kind`` is the retention class (the tenant's, e.g. ``"agent"`` or ``"chat"``).
+        Returns the number of tokens newly stored. Input is validated before anything is
+        written; a storage or index failure stores nothing (and returns 0 unless strict). A
+        store that would exceed the tenant's quota first evicts the tenant's least recently
+        used extents; one that cannot fit raises QuotaExceededError.
         """
         self._kv.check_open()
         token_array = as_token_array(tokens)
         rows = self.layout.validate_layers(layers, len(token_array))
+        check_kind(kind)
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
         if not keys:
             return 0
@@ -160,17 +176,21 @@ class Namespace:
             positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
             if not positions:
                 return 0
-            return self._store_blocks(keys, positions, rows)
+            return self._store_blocks(keys, positions, rows, kind)
         except (SQLAlchemyError, StorageError) as err:
             return self._degrade("store", err, 0)
 
-    def _current_data_key(self) -> tuple[int, bytes]:
+    def _tenant_settings(self) -> tuple[int, bytes, int, dict[str, float]]:
+        """(key version, data key, quota bytes, retention) of the tenant, now."""
         with self._kv.db.read() as session:
-            version = session.scalar(
-                select(Tenant.current_key_version).where(Tenant.id == self.identity.tenant_id)
-            )
-            if version is None:
+            row = session.execute(
+                select(Tenant.current_key_version, Tenant.quota_bytes, Tenant.retention).where(
+                    Tenant.id == self.identity.tenant_id
+                )
+            ).one_or_none()
+            if row is None:
                 raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
+            version, quota, retention = row
             wrapped = session.scalar(
                 select(DataKey.wrapped_key).where(
                     DataKey.tenant_id == self.identity.tenant_id, DataKey.version == version
@@ -178,12 +198,18 @@ class Namespace:
             )
         if wrapped is None:
             raise CacheUnavailableError(f"tenant {self.tenant!r} has no data key {version}")
-        return version, self._kv.keyring.data_key(self.identity.tenant_id, version, wrapped)
+        data_key = self._kv.keyring.data_key(self.identity.tenant_id, version, wrapped)
+        return version, data_key, quota, loads_retention(retention)
 
     def _store_blocks(
-        self, keys: list[BlockKey], positions: list[int], rows: list[torch.Tensor]
+        self, keys: list[BlockKey], positions: list[int], rows: list[torch.Tensor], kind: str
     ) -> int:
-        key_version, data_key = self._current_data_key()
+        key_version, data_key, quota, retention = self._tenant_settings()
+        if kind not in retention:
+            raise InvalidRequestError(
+                f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
+                f"{', '.join(sorted(retention))}"
+            )
         suite = self._kv.suite
         geometry = ExtentGeometry(
             num_blocks=len(positions),
@@ -191,17 +217,32 @@ class Namespace:
             segment_bytes=BLOCK_TOKENS * self.layout.token_bytes,
             suite=suite,
         )
+        if geometry.total_bytes > quota:
+            self._kv.events.record(
+                "quota_refused", self.tenant, f"store of {geometry.total_bytes} B > quota {quota} B"
+            )
+            raise QuotaExceededError(
+                f"this store needs {geometry.total_bytes} bytes, more than tenant "
+                f"{self.tenant!r}'s whole quota of {quota} bytes"
+            )
         salt = new_salt()
         context = SegmentContext(self.identity.tenant_id, key_version, self.identity.namespace_id)
         cipher = ExtentCipher(data_key, salt, context, suite)
         extent_id = self._write_extent(geometry, cipher, keys, positions, rows)
         try:
-            inserted = self._index_extent(extent_id, geometry, key_version, salt, keys, positions)
-        except BaseException:
+            inserted, evicted = self._index_extent(
+                extent_id, geometry, key_version, salt, keys, positions, kind, retention[kind]
+            )
+        except BaseException as err:
             self._kv.store_backend.delete(extent_id)
+            if isinstance(err, QuotaExceededError):
+                self._kv.events.record("quota_refused", self.tenant, str(err))
             raise
         if inserted == 0:
             self._kv.store_backend.delete(extent_id)  # another writer indexed these blocks first
+        self._kv.discard_evicted(self.identity.tenant_id, evicted)
+        if inserted:
+            self._meter(stored_tokens=inserted * BLOCK_TOKENS, stored_bytes=geometry.total_bytes)
         return inserted * BLOCK_TOKENS
 
     def _seal_and_write_layer(
@@ -281,21 +322,37 @@ class Namespace:
         salt: bytes,
         keys: list[BlockKey],
         positions: list[int],
-    ) -> int:
+        kind: str,
+        ttl: float,
+    ) -> tuple[int, list[Evicted]]:
         now = self._kv.clock()
         namespace_id = self.identity.namespace_id
+        tenant_id = self.identity.tenant_id
+        evicted: list[Evicted] = []
         with self._kv.db.write() as session:
+            # Serialise quota accounting per tenant across processes (a no-op on SQLite, whose
+            # write transactions are already exclusive).
+            quota = session.scalar(
+                select(Tenant.quota_bytes).where(Tenant.id == tenant_id).with_for_update()
+            )
+            if quota is None:
+                raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
             session.add(
                 Extent(
                     id=extent_id,
                     namespace_id=namespace_id,
+                    tenant_id=tenant_id,
                     key_version=key_version,
+                    kind=kind,
                     suite=int(geometry.suite),
                     salt=salt,
                     num_blocks=geometry.num_blocks,
                     num_layers=geometry.num_layers,
                     segment_bytes=geometry.segment_bytes,
+                    size_bytes=geometry.total_bytes,
                     created_at=now,
+                    last_used_at=now,
+                    expires_at=now + ttl,
                 )
             )
             session.flush()
@@ -319,7 +376,11 @@ class Namespace:
             )
             if not inserted:
                 session.execute(delete(Extent).where(Extent.id == extent_id))
-        return int(inserted or 0)
+            else:
+                evicted = make_room(
+                    session, tenant_id, quota, now, self._kv.pinned_extents(), keep=extent_id
+                )
+        return int(inserted or 0), evicted
 
     # ---- load ---------------------------------------------------------------------------------
 
@@ -373,6 +434,9 @@ class Namespace:
             raise SegmentIntegrityError(
                 "a cached extent is damaged or missing; the prefix was dropped", delivered_layers=0
             ) from failure.cause
+        extent_ids = [extent.extent_id for extent in plan.extents]
+        started = self._kv.clock()
+        self._kv.pin_extents(extent_ids)  # a running load's extents are never evicted
         try:
             stream = LoadStream(
                 plan=plan,
@@ -386,9 +450,10 @@ class Namespace:
                 on_failure=self._handle_failure,
                 # Record the use after the load, off its critical path (the index write would
                 # otherwise compete for the interpreter with the first layer's workers).
-                on_close=lambda: self._kv.submit_background(self._touch, keys),
+                on_close=lambda stream: self._finish_load(stream, extent_ids, started),
             )
         except BaseException:
+            self._kv.unpin_extents(extent_ids)
             for reader in readers.values():
                 reader.close()
             raise
@@ -437,14 +502,18 @@ class Namespace:
     def _plan(self, keys: list[BlockKey]) -> ReadPlan:
         """Where every block of ``keys`` lies, with the cipher of each extent; or CacheMissError."""
         located: dict[bytes, tuple[str, int]] = {}
+        now = self._kv.clock()
         with self._kv.db.read() as session:
             # Plain column queries, not ORM entities: this is on the path to the first layer.
             for start in range(0, len(keys), _QUERY_CHUNK):
                 chunk = keys[start : start + _QUERY_CHUNK]
                 rows = session.execute(
-                    select(Block.block_key, Block.extent_id, Block.slot).where(
+                    select(Block.block_key, Block.extent_id, Block.slot)
+                    .join(Extent, Extent.id == Block.extent_id)
+                    .where(
                         Block.namespace_id == self.identity.namespace_id,
                         Block.block_key.in_(chunk),
+                        Extent.expires_at > now,
                     )
                 ).all()
                 for block_key, extent_id, slot in rows:
@@ -500,22 +569,35 @@ class Namespace:
             planned[extent_id] = PlannedExtent(extent_id, geometry, cipher)
         return group_runs([(key, planned[located[key][0]], located[key][1]) for key in keys])
 
-    def _touch(self, keys: list[BlockKey]) -> None:
-        """Mark blocks as used now (for least-recently-used eviction); never fails a load."""
-        now = self._kv.clock()
+    def _finish_load(self, stream: LoadStream, extent_ids: list[str], started: float) -> None:
+        """After a load: release its extents for eviction, meter it, record the use."""
+        self._kv.unpin_extents(extent_ids)
+        if stream.delivered_layers == stream.num_layers:
+            self._meter(served_tokens=stream.num_tokens)
+        self._kv.submit_background(self._touch, extent_ids, started)
+
+    def _touch(self, extent_ids: list[str], now: float) -> None:
+        """Mark extents as used at ``now``: their retention restarts and LRU eviction sees the
+        use. Bookkeeping only: never fails a load."""
         try:
             with self._kv.db.write() as session:
-                for start in range(0, len(keys), _QUERY_CHUNK):
+                retention_text = session.scalar(
+                    select(Tenant.retention).where(Tenant.id == self.identity.tenant_id)
+                )
+                if retention_text is None:
+                    return  # the tenant was deleted meanwhile
+                retention = loads_retention(retention_text)
+                for kind, ttl in retention.items():
                     session.execute(
-                        update(Block)
-                        .where(
-                            Block.namespace_id == self.identity.namespace_id,
-                            Block.block_key.in_(keys[start : start + _QUERY_CHUNK]),
-                        )
-                        .values(last_used_at=now)
+                        update(Extent)
+                        .where(Extent.id.in_(extent_ids), Extent.kind == kind)
+                        .values(last_used_at=now, expires_at=now + ttl)
                     )
         except SQLAlchemyError as err:
-            logger.warning("could not record block use: %s", err)
+            logger.warning("could not record extent use: %s", err)
+
+    def _meter(self, **counts: int) -> None:
+        self._kv.meter.add(self.identity.tenant_id, self.scope or "", self._kv.clock(), **counts)
 
     # ---- failures -----------------------------------------------------------------------------
 

@@ -1,0 +1,95 @@
+"""Quotas: each tenant's reserved share of the store, and eviction within it.
+
+Quotas reserve capacity: the sum of all tenants' quotas may not exceed the store's capacity
+(unless an operator allows overcommit, which weakens isolation and is recorded). So a tenant can
+only ever evict its own data: a store that would exceed its quota evicts that tenant's least
+recently used extents -- never another tenant's, and never one a running load is reading.
+
+The unit of eviction is the extent (one store call's blocks), because that is the unit in
+which bytes are freed. Ties in last use go to the most recently created extent first, which
+holds the later blocks of a prefix, so shorter prefixes stay usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from .errors import QuotaExceededError
+from .models import Block, Extent, Tenant
+
+
+@dataclass(frozen=True)
+class Evicted:
+    extent_id: str
+    namespace_id: bytes
+    size_bytes: int
+    expired: bool
+
+
+def tenant_bytes(session: Session, tenant_id: bytes) -> int:
+    return int(
+        session.scalar(
+            select(func.coalesce(func.sum(Extent.size_bytes), 0)).where(
+                Extent.tenant_id == tenant_id
+            )
+        )
+        or 0
+    )
+
+
+def total_quota(session: Session, excluding: bytes | None = None) -> int:
+    query = select(func.coalesce(func.sum(Tenant.quota_bytes), 0))
+    if excluding is not None:
+        query = query.where(Tenant.id != excluding)
+    return int(session.scalar(query) or 0)
+
+
+def make_room(
+    session: Session,
+    tenant_id: bytes,
+    quota: int,
+    now: float,
+    pinned: Collection[str],
+    keep: str | None = None,
+) -> list[Evicted]:
+    """Delete the tenant's index rows of expired, then least recently used, extents until its
+    bytes fit ``quota``; return what was deleted (the caller removes the bytes after commit).
+
+    ``keep`` (the extent being stored) and ``pinned`` extents are never chosen. Raises
+    QuotaExceededError, changing nothing, when that is not enough.
+    """
+    used = tenant_bytes(session, tenant_id)
+    if used <= quota:
+        return []
+    candidates = session.execute(
+        select(Extent.id, Extent.namespace_id, Extent.size_bytes, Extent.expires_at)
+        .where(Extent.tenant_id == tenant_id)
+        .order_by(
+            (Extent.expires_at > now).asc(),  # expired ones first
+            Extent.last_used_at.asc(),
+            Extent.created_at.desc(),
+        )
+    ).all()
+    chosen: list[Evicted] = []
+    for extent_id, namespace_id, size, expires_at in candidates:
+        if used <= quota:
+            break
+        if extent_id == keep or extent_id in pinned:
+            continue
+        chosen.append(Evicted(extent_id, namespace_id, size, expires_at <= now))
+        used -= size
+    if used > quota:
+        raise QuotaExceededError(
+            f"the tenant's quota of {quota} bytes cannot take this store: {used} bytes would "
+            "remain after evicting everything not in use by a running load"
+        )
+    ids = [e.extent_id for e in chosen]
+    for start in range(0, len(ids), 500):
+        batch = ids[start : start + 500]
+        session.execute(delete(Block).where(Block.extent_id.in_(batch)))
+        session.execute(delete(Extent).where(Extent.id.in_(batch)))
+    return chosen

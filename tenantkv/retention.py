@@ -1,0 +1,67 @@
+"""Retention classes: how long a tenant's cached prefixes of each kind are kept after last use.
+
+Providers keep prefix caches for days (DeepSeek: ~3 days for agent traffic, ~7 for chat), so
+retention is per tenant and per kind of traffic. An extent expires ``retention[kind]`` seconds
+after it was last stored or loaded; expired extents are misses at once and are removed by GC.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidRequestError
+
+DEFAULT_RETENTION: dict[str, float] = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+DEFAULT_KIND = "chat"
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
+_KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+MAX_RETENTION = 366 * 86400.0
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from ``"3d"``, ``"12h"``, ``"30m"``, ``"45s"``, ``"2w"`` or a number of seconds."""
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    else:
+        raise InvalidRequestError(f"{value!r} is not a duration (use e.g. '3d', '12h', 3600)")
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_RETENTION:
+        raise InvalidRequestError(f"retention {value!r} must be more than 0 and at most 366 days")
+    return seconds
+
+
+def parse_retention(value: Mapping[str, Any] | None) -> dict[str, float]:
+    """A retention map (class -> seconds); classes not given keep their defaults."""
+    retention = dict(DEFAULT_RETENTION)
+    if value is None:
+        return retention
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError("retention must map class names to durations")
+    for kind, duration in value.items():
+        check_kind(kind)
+        retention[kind] = parse_duration(duration)
+    return retention
+
+
+def check_kind(kind: Any) -> str:
+    if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+        raise InvalidRequestError(
+            f"retention class {kind!r} is invalid: lower-case letters, digits, '_' or '-'"
+        )
+    return kind
+
+
+def dumps(retention: Mapping[str, float]) -> str:
+    return json.dumps(dict(sorted(retention.items())), separators=(",", ":"))
+
+
+def loads(text: str) -> dict[str, float]:
+    return {str(k): float(v) for k, v in json.loads(text).items()}
