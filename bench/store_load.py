@@ -472,7 +472,7 @@ def bench_tenantkv(
         return [rng.randrange(VOCAB_SIZE) for _ in range(shape.tokens)]
 
     with tenantkv.open(root) as kv:
-        kv.create_tenant("bench")
+        kv.create_tenant("bench", quota_bytes=64 * 2**30)  # room for every rep's prefix
         layout = tenantkv.KVLayout.mla(
             num_layers=shape.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
         )

@@ -433,7 +433,7 @@ def measure_loads(
 
         root = workdir / "tenantkv"
         kv = tenantkv.open(root)
-        kv.create_tenant("bench")
+        kv.create_tenant("bench", quota_bytes=64 * 2**30)  # room for every rep's prefix
         ns = open_namespace(tenantkv, kv, shape.layers)
         stored = ns.store(tokens, want)
         n = ns.lookup(tokens)

@@ -1,4 +1,4 @@
-"""The ``tenantkv`` command line: ``init``, ``info`` and ``walkthrough``."""
+"""The ``tenantkv`` command line: ``init``, ``info``, ``gc`` and ``walkthrough``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from . import (
     __version__,
 )
 from . import open as open_cache
+from .gc import text_progress
 
 DEFAULT_ROOT_ENV = "TENANTKV_ROOT"
 
@@ -137,6 +138,20 @@ def _walkthrough(root: str, num_tokens: int, num_layers: int) -> int:
     return 0 if failures == 0 else 1
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    if not Path(args.root).exists():
+        print(f"no cache at {args.root}", file=sys.stderr)
+        return 1
+    with open_cache(args.root) as kv:
+        report = kv.gc(orphan_grace=args.orphan_grace, progress=text_progress("gc"))
+    print(
+        f"gc: {report.expired_extents} expired extents ({report.expired_bytes / 2**20:.1f} MiB), "
+        f"{report.orphans_removed} orphaned files and {report.temporary_removed} leftover "
+        "temporary files removed"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tenantkv", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tenantkv {__version__}")
@@ -150,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("root", nargs="?", default=_default_root())
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(handler=_cmd_info)
+
+    gc = commands.add_parser("gc", help="remove expired extents and orphaned files")
+    gc.add_argument("root", nargs="?", default=_default_root())
+    gc.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=600.0,
+        help="spare unindexed files younger than this many seconds (a store may be in flight)",
+    )
+    gc.set_defaults(handler=_cmd_gc)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")
