@@ -145,6 +145,8 @@ class TenantKV:
             self.load_executor.shutdown(wait=False)
             self.db.close()
             raise
+        if gc_interval is not None:
+            self.start_background_gc(gc_interval)
 
     def _check_master_key(self, wrapper: KeyWrapper) -> None:
         """Refuse a master key that is not the one this index was created with.
