@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import threading
 import time
 import weakref
@@ -21,6 +22,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from . import tenants
+from .audit import FAILURE, KEYS_RETIRE, ROLE_OPERATOR, SUCCESS, AuditEvent, AuditLog
 from .buffers import RecyclingPool
 from .crypto import (
     DEFAULT_SUITE,
@@ -107,6 +109,7 @@ class TenantKV:
         self.strict = strict
         self.clock = clock
         self.events = SecurityEventLog()
+        self.actor = f"python-api@{socket.gethostname()}:{os.getpid()}"
         self.log = logger
         self.meter = Meter()
         self.default_quota_bytes = default_quota_bytes
@@ -137,6 +140,9 @@ class TenantKV:
         try:
             self.db.create_schema()
             self._check_master_key(key_wrapper)
+            self.audit = AuditLog(key_wrapper, clock=clock)
+            with self.db.write() as session:
+                self.audit.ensure_signing_key(session)
             self.capacity_bytes, self.allow_overcommit = self._settle_capacity(
                 capacity_bytes, allow_overcommit
             )
@@ -195,9 +201,20 @@ class TenantKV:
                         f"tenants reserve {reserved} bytes, more than a capacity of {capacity}; "
                         "raise the capacity, lower quotas, or allow overcommit"
                     )
+            previous_capacity = int(stored_capacity.value) if stored_capacity is not None else None
             session.merge(SchemaInfo(name=_CAPACITY, value=str(capacity)))
             previous = stored_overcommit.value == "1" if stored_overcommit is not None else False
             session.merge(SchemaInfo(name=_OVERCOMMIT, value="1" if overcommit else "0"))
+            if overcommit != previous or capacity != previous_capacity:
+                self.audit.append(
+                    session,
+                    self.audit_event(
+                        None,
+                        "capacity.update",
+                        "store",
+                        details={"capacity_bytes": capacity, "allow_overcommit": overcommit},
+                    ),
+                )
         if overcommit != previous:
             self.events.record(
                 "overcommit_changed",
@@ -205,6 +222,42 @@ class TenantKV:
                 f"quota overcommit {'allowed' if overcommit else 'disallowed'} by the operator",
             )
         return capacity, overcommit
+
+    def audit_event(
+        self,
+        tenant: str | None,
+        action: str,
+        target: str = "",
+        *,
+        outcome: str = SUCCESS,
+        details: Mapping[str, Any] | None = None,
+    ) -> AuditEvent:
+        """An audit event for an action taken through this Python API (the operator's own
+        process; the admin service records its callers instead)."""
+        return AuditEvent(
+            actor=self.actor,
+            role=ROLE_OPERATOR,
+            tenant=tenant,
+            action=action,
+            target=target,
+            outcome=outcome,  # type: ignore[arg-type]
+            details=dict(details or {}),
+        )
+
+    def record_security_event(self, kind: str, tenant: str, detail: str, action: str) -> None:
+        """Log, count and audit a data-plane security event. Never raises: the serving path
+        must not fail because the audit write did."""
+        self.events.record(kind, tenant, detail)
+        try:
+            with self.db.write() as session:
+                self.audit.append(
+                    session,
+                    self.audit_event(
+                        tenant or None, action, outcome=FAILURE, details={"detail": detail[:500]}
+                    ),
+                )
+        except Exception as err:
+            logger.error("could not audit security event %s: %s", kind, err)
 
     # ---- lifetime -----------------------------------------------------------------------------
 
@@ -316,14 +369,16 @@ class TenantKV:
                     )
                 )
             remaining = tenants.count_extents_with_old_keys(session, row)
+            result: dict[str, Any] = {
+                "resealed": outcome.resealed,
+                "dropped": outcome.dropped,
+                "skipped_in_use": outcome.skipped_in_use,
+                "retired_versions": sorted(retired),
+                "extents_on_old_keys": remaining,
+            }
+            self.audit.append(session, self.audit_event(name, KEYS_RETIRE, name, details=result))
         self.keyring.forget_versions(tenant_id, retired)
-        return {
-            "resealed": outcome.resealed,
-            "dropped": outcome.dropped,
-            "skipped_in_use": outcome.skipped_in_use,
-            "retired_versions": sorted(retired),
-            "extents_on_old_keys": remaining,
-        }
+        return result
 
     def usage(
         self,
@@ -461,13 +516,12 @@ class TenantKV:
 
     def _scopes_of(self, namespace_ids: set[bytes]) -> dict[bytes, str]:
         with self.db.read() as session:
-            return dict(
-                session.execute(
-                    select(NamespaceRow.id, NamespaceRow.scope).where(
-                        NamespaceRow.id.in_(namespace_ids)
-                    )
-                ).tuples()
+            rows = session.execute(
+                select(NamespaceRow.id, NamespaceRow.scope).where(
+                    NamespaceRow.id.in_(namespace_ids)
+                )
             )
+            return {namespace_id: scope for namespace_id, scope in rows}
 
     def delete_extent_file(self, extent_id: str) -> bool:
         """Remove an extent's bytes (its index rows are already gone); failures are left to the

@@ -24,6 +24,7 @@ from . import (
     __version__,
 )
 from . import open as open_cache
+from .cli_audit import register as register_audit_commands
 from .gc import text_progress
 
 DEFAULT_ROOT_ENV = "TENANTKV_ROOT"
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="spare unindexed files younger than this many seconds (a store may be in flight)",
     )
     gc.set_defaults(handler=_cmd_gc)
+
+    register_audit_commands(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")

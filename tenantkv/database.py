@@ -16,6 +16,7 @@ from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from .audit import AuditBase
 from .models import Base, SchemaInfo
 
 SCHEMA_VERSION = "1"
@@ -31,6 +32,8 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
+        # Deleted rows (a crypto-shredded tenant's wrapped keys) are overwritten, not just freed.
+        cursor.execute("PRAGMA secure_delete=ON")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -54,6 +57,7 @@ class Database:
 
     def create_schema(self) -> None:
         Base.metadata.create_all(self.engine)
+        AuditBase.metadata.create_all(self.engine)
         with self.write() as session:
             row = session.get(SchemaInfo, "schema_version")
             if row is None:
@@ -81,6 +85,13 @@ class Database:
         if self.dialect == "postgresql":
             return postgresql.insert(table).on_conflict_do_nothing()
         raise NotImplementedError(f"database dialect {self.dialect!r} is not supported")
+
+    def scrub_log(self) -> None:
+        """Make deletions final on disk: on SQLite, copy the write-ahead log into the database
+        and truncate it, so deleted rows' old contents do not linger in the -wal file."""
+        if self.dialect == "sqlite":
+            with self.engine.connect() as connection:
+                connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def schema_version(self) -> str | None:
         with self.read() as session:

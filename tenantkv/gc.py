@@ -68,7 +68,10 @@ def collect(
         done += len(batch)
         if progress is not None:
             progress(done, total)
-    orphans = _sweep_orphans(kv, existing, now - orphan_grace, progress, done, total)
+    collected = {row.id for row in expired}
+    orphans = _sweep_orphans(
+        kv, [e for e in existing if e not in collected], now - orphan_grace, progress, done, total
+    )
     temporary = kv.store_backend.sweep_temporary(older_than=now - orphan_grace)
     try:
         kv.meter.flush(kv.db)
@@ -102,6 +105,8 @@ def _sweep_orphans(
         done += len(batch)
         if progress is not None:
             progress(done, total)
+    if progress is not None and done < total:
+        progress(total, total)  # the extents collected above were counted twice in the total
     return removed
 
 

@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .database import Database
-from .models import Usage
+from .models import Tenant, Usage
 
 BUCKET_SECONDS = 60
 DEFAULT_HIT_COST = 1 / 50
@@ -79,7 +79,16 @@ class Meter:
             return
         try:
             with db.write() as session:
+                # Counters of a tenant deleted meanwhile (a stale handle, a load that outlived
+                # the tenant) have nowhere to go and must not block everyone else's.
+                live = set(
+                    session.scalars(
+                        select(Tenant.id).where(Tenant.id.in_({key[0] for key in pending}))
+                    ).all()
+                )
                 for (tenant_id, scope, bucket), counter in pending.items():
+                    if tenant_id not in live:
+                        continue
                     values: dict[str, Any] = {name: counter.get(name, 0) for name in FIELDS}
                     insert = (
                         sqlite.insert(Usage) if db.dialect == "sqlite" else postgresql.insert(Usage)
@@ -113,13 +122,14 @@ def read_usage(
     since: float | None,
     until: float | None,
 ) -> dict[str, int]:
-    """Sum the counters of buckets starting in ``[since, until)`` (bucket resolution: 60 s)."""
+    """Sum the counters of the 60-second buckets whose start lies in ``[since, until)``, so
+    adjacent windows add up exactly (a window shorter than a bucket may hold none)."""
     columns = [func.coalesce(func.sum(getattr(Usage, name)), 0) for name in FIELDS]
     query = select(*columns).where(Usage.tenant_id == tenant_id)
     if scope is not None:
         query = query.where(Usage.scope == scope)
     if since is not None:
-        query = query.where(Usage.bucket >= int(since // BUCKET_SECONDS) * BUCKET_SECONDS)
+        query = query.where(Usage.bucket >= since)
     if until is not None:
         query = query.where(Usage.bucket < until)
     with db.read() as session:

@@ -18,6 +18,7 @@ import torch
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
+from .audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
 from .buffers import thread_buffer
 from .crypto import ExtentCipher, SegmentContext, new_salt
 from .errors import (
@@ -168,15 +169,21 @@ class Namespace:
         rows = self.layout.validate_layers(layers, len(token_array))
         check_kind(kind)
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
-        if not keys:
-            return 0
         try:
+            settings = self._tenant_settings()
+            if kind not in settings[3]:
+                raise InvalidRequestError(
+                    f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
+                    f"{', '.join(sorted(settings[3]))}"
+                )
+            if not keys:
+                return 0
             present = self._present_keys(keys, stop_at_gap=False)
             first_missing = self._run_from_zero(keys, present)
             positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
             if not positions:
                 return 0
-            return self._store_blocks(keys, positions, rows, kind)
+            return self._store_blocks(keys, positions, rows, kind, settings)
         except (SQLAlchemyError, StorageError) as err:
             return self._degrade("store", err, 0)
 
@@ -202,14 +209,14 @@ class Namespace:
         return version, data_key, quota, loads_retention(retention)
 
     def _store_blocks(
-        self, keys: list[BlockKey], positions: list[int], rows: list[torch.Tensor], kind: str
+        self,
+        keys: list[BlockKey],
+        positions: list[int],
+        rows: list[torch.Tensor],
+        kind: str,
+        settings: tuple[int, bytes, int, dict[str, float]],
     ) -> int:
-        key_version, data_key, quota, retention = self._tenant_settings()
-        if kind not in retention:
-            raise InvalidRequestError(
-                f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
-                f"{', '.join(sorted(retention))}"
-            )
+        key_version, data_key, quota, retention = settings
         suite = self._kv.suite
         geometry = ExtentGeometry(
             num_blocks=len(positions),
@@ -218,8 +225,11 @@ class Namespace:
             suite=suite,
         )
         if geometry.total_bytes > quota:
-            self._kv.events.record(
-                "quota_refused", self.tenant, f"store of {geometry.total_bytes} B > quota {quota} B"
+            self._kv.record_security_event(
+                "quota_refused",
+                self.tenant,
+                f"store of {geometry.total_bytes} B > quota {quota} B",
+                QUOTA_REFUSED,
             )
             raise QuotaExceededError(
                 f"this store needs {geometry.total_bytes} bytes, more than tenant "
@@ -236,7 +246,9 @@ class Namespace:
         except BaseException as err:
             self._kv.store_backend.delete(extent_id)
             if isinstance(err, QuotaExceededError):
-                self._kv.events.record("quota_refused", self.tenant, str(err))
+                self._kv.record_security_event(
+                    "quota_refused", self.tenant, str(err), QUOTA_REFUSED
+                )
             raise
         if inserted == 0:
             self._kv.store_backend.delete(extent_id)  # another writer indexed these blocks first
@@ -356,6 +368,20 @@ class Namespace:
                 )
             )
             session.flush()
+            # Rows of these blocks left by an expired extent (not yet collected) would make the
+            # insert skip them, so an expired prefix could not be stored again until GC.
+            expired = select(Extent.id).where(
+                Extent.namespace_id == namespace_id, Extent.expires_at <= now
+            )
+            for start in range(0, len(positions), _QUERY_CHUNK):
+                chunk = [keys[p] for p in positions[start : start + _QUERY_CHUNK]]
+                session.execute(
+                    delete(Block).where(
+                        Block.namespace_id == namespace_id,
+                        Block.block_key.in_(chunk),
+                        Block.extent_id.in_(expired),
+                    )
+                )
             session.execute(
                 self._kv.db.insert_ignoring_duplicates(Block.__table__),
                 [
@@ -604,10 +630,11 @@ class Namespace:
     def _handle_failure(self, failure: ExtentFailure) -> None:
         """Drop a damaged extent from the index and the store, and record a security event."""
         if failure.integrity:
-            self._kv.events.record(
+            self._kv.record_security_event(
                 "segment_open_failed",
                 self.tenant,
                 f"extent {failure.extent_id} layer {failure.layer}: {failure.cause}",
+                SEGMENT_OPEN_FAILED,
             )
             self._kv.drop_extent(failure.extent_id)
         else:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import delete, select, update
 
+from .audit import SEGMENT_OPEN_FAILED
 from .crypto import ExtentCipher, SealOpenError, SegmentContext, new_salt
 from .extent_format import ExtentGeometry
 from .models import Block, DataKey, Extent
@@ -58,7 +59,9 @@ def reseal_tenant(kv: TenantKV, tenant: str, tenant_id: bytes, current: int) -> 
             _reseal_one(kv, extent, new_key, current)
             resealed += 1
         except (SealOpenError, StorageError) as err:
-            kv.events.record("segment_open_failed", tenant, f"re-seal of {extent.id}: {err}")
+            kv.record_security_event(
+                "segment_open_failed", tenant, f"re-seal of {extent.id}: {err}", SEGMENT_OPEN_FAILED
+            )
             kv.drop_extent(extent.id)
             dropped += 1
     return ResealOutcome(resealed, dropped, skipped)

@@ -18,6 +18,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE
 from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
 from .models import DataKey, Extent, Namespace, Tenant
 from .quota import Evicted, make_room, tenant_bytes, total_quota
@@ -130,6 +131,15 @@ def create_tenant(
             )
             session.flush()
             info = _info(session, row)
+            kv.audit.append(
+                session,
+                kv.audit_event(
+                    name,
+                    TENANT_CREATE,
+                    name,
+                    details={"quota_bytes": quota, "retention": classes},
+                ),
+            )
     except IntegrityError as err:  # a concurrent create won the race
         raise TenantExistsError(f"tenant {name!r} already exists") from err
     return info
@@ -165,6 +175,12 @@ def update_tenant(
         row.updated_at = now
         session.flush()
         info = _info(session, row)
+        changes: dict[str, Any] = {"evicted_extents": len(evicted)}
+        if quota_bytes is not None:
+            changes["quota_bytes"] = quota_bytes
+        if retention is not None:
+            changes["retention"] = dict(info.retention or {})
+        kv.audit.append(session, kv.audit_event(name, TENANT_UPDATE, name, details=changes))
     kv.discard_evicted(row.id, evicted)
     return info
 
@@ -202,6 +218,16 @@ def delete_tenant(kv: TenantKV, name: str) -> int:
         session.execute(delete(DataKey).where(DataKey.tenant_id == tenant_id))
         session.execute(delete(Namespace).where(Namespace.tenant_id == tenant_id))
         session.delete(row)  # cascades: extents, blocks, usage
+        kv.audit.append(
+            session,
+            kv.audit_event(
+                name,
+                TENANT_DELETE,
+                name,
+                details={"extents": len(extent_ids), "namespaces": len(namespace_ids)},
+            ),
+        )
+    kv.db.scrub_log()
     kv.keyring.forget_tenant(tenant_id, namespace_ids)
     kv.meter.forget_tenant(tenant_id)
     removed = 0
@@ -221,6 +247,9 @@ def rotate_keys(kv: TenantKV, name: str) -> int:
         )
         row.current_key_version = version
         row.updated_at = kv.clock()
+        kv.audit.append(
+            session, kv.audit_event(name, KEYS_ROTATE, name, details={"new_version": version})
+        )
     return version
 
 
