@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 from sqlalchemy import delete, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from .models import Block, Extent, Namespace
+from .audit import USAGE_SUMMARY, chain_for
+from .metering import BUCKET_SECONDS, read_usage
+from .models import Block, Extent, Namespace, SchemaInfo, Tenant
 from .storage import StorageError
 
 if TYPE_CHECKING:
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 Progress = Callable[[int, int], None]  # (done, total)
 _BATCH = 200
+_SUMMARY_MARK = "usage_summary_until"
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,34 @@ def collect(
     temporary = kv.store_backend.sweep_temporary(older_than=now - orphan_grace)
     try:
         kv.meter.flush(kv.db)
-    except SQLAlchemyError as err:  # metering is retried at the next flush
-        kv.log.warning("metering flush failed: %s", err)
+        _audit_maintenance(kv, now)
+    except SQLAlchemyError as err:  # metering and summaries are retried at the next run
+        kv.log.warning("metering flush or audit maintenance failed: %s", err)
     return GcReport(len(expired), removed_bytes, orphans, temporary)
+
+
+def _audit_maintenance(kv: TenantKV, now: float) -> None:
+    """Periodic audit work, in one transaction: a usage summary per active tenant for the
+    complete minutes since the last run (not one record per lookup), a signed checkpoint of
+    each chain that grew, and the purge of audit records past their own retention."""
+    until = float(int(now // BUCKET_SECONDS) * BUCKET_SECONDS)
+    with kv.db.write() as session:
+        mark = session.get(SchemaInfo, _SUMMARY_MARK)
+        since = float(mark.value) if mark is not None else None
+        chains = ["system"]
+        if since is None or until > since:
+            for tenant_id, name in session.execute(select(Tenant.id, Tenant.name)).all():
+                counters = read_usage(kv.db, tenant_id, None, since, until)
+                if any(counters.values()):
+                    details: dict[str, object] = {"since": since, "until": until, **counters}
+                    kv.audit.append(
+                        session, kv.audit_event(name, USAGE_SUMMARY, name, details=details)
+                    )
+                    chains.append(chain_for(name))
+            session.merge(SchemaInfo(name=_SUMMARY_MARK, value=repr(until)))
+        kv.audit.purge_expired(session)
+        for chain in chains:
+            kv.audit.checkpoint(session, chain)
 
 
 def _sweep_orphans(

@@ -1,0 +1,106 @@
+"""The cache records its own actions and security events in the audit log, in the same
+transactions, and the exports verify offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tenantkv
+from tenantkv import TenantKV
+from tenantkv.audit import verify_export
+from tenantkv.cli import main
+from tests.helpers import MLA_SMALL, random_layers, random_tokens
+
+
+def _actions(kv: TenantKV, tenant: str | None) -> list[str]:
+    lines = list(kv.audit.export(kv.db.read, tenant=tenant))
+    with kv.db.read() as session:
+        pem = kv.audit.public_key_pem(session)
+    report = verify_export(lines, pem)
+    assert report.ok, report.problems
+    records = [json.loads(line.rsplit(',"', 1)[0] + "}") for line in lines]
+    return [r["action"] for r in records if r.get("type") not in ("checkpoint", "export")]
+
+
+def test_tenant_lifecycle_is_audited_and_verifies(kv: TenantKV) -> None:
+    kv.create_tenant("acme", quota_bytes=2**26)
+    kv.update_tenant("acme", quota_bytes=2**27)
+    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    ns.store(random_tokens(128), random_layers(MLA_SMALL, 128))
+    kv.rotate_keys("acme")
+    kv.retire_keys("acme")
+    actions = _actions(kv, "acme")
+    assert actions == ["tenant.create", "tenant.update", "keys.rotate", "keys.retire"]
+    kv.delete_tenant("acme")
+    assert "tenant.delete" in _actions(kv, "acme")
+
+
+def test_a_refused_action_leaves_no_record(tmp_path: Path) -> None:
+    with tenantkv.open(tmp_path / "c", durable=False, capacity_bytes=2**20) as kv:
+        with pytest.raises(tenantkv.QuotaExceededError):
+            kv.create_tenant("big", quota_bytes=2**21)  # more than the capacity: rolled back
+        with pytest.raises(tenantkv.InvalidRequestError):
+            kv.create_tenant("bad", quota_bytes=0)
+        kv.create_tenant("ok", quota_bytes=2**19)  # positive control
+    with tenantkv.open(tmp_path / "c", durable=False) as kv:
+        for name in ("big", "bad"):
+            assert _actions(kv, name) == []  # the refused creates left no record
+        assert _actions(kv, "ok") == ["tenant.create"]
+
+
+def test_security_events_are_audited(kv: TenantKV, cache_root: Path) -> None:
+    kv.create_tenant("acme", quota_bytes=2**16)
+    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    with pytest.raises(tenantkv.QuotaExceededError):
+        ns.store(random_tokens(64 * 40), random_layers(MLA_SMALL, 64 * 40))  # larger than quota
+    tokens = random_tokens(64)
+    ns.store(tokens, random_layers(MLA_SMALL, 64))
+    (extent,) = (cache_root / "blocks" / "extents").rglob("*.tkx")
+    data = bytearray(extent.read_bytes())
+    data[100] ^= 1
+    extent.write_bytes(bytes(data))
+    with pytest.raises(tenantkv.SegmentIntegrityError), ns.load(tokens) as stream:
+        for _ in stream:
+            pass
+    actions = _actions(kv, "acme")
+    assert "quota.refused" in actions and "segment.open_failed" in actions
+
+
+def test_gc_writes_usage_summaries_and_checkpoints(tmp_path: Path) -> None:
+    now = [1_800_000_000.0]
+    with tenantkv.open(tmp_path / "c", durable=False, clock=lambda: now[0]) as kv:
+        kv.create_tenant("acme")
+        kv.create_tenant("idle")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        tokens = random_tokens(128)
+        ns.store(tokens, random_layers(MLA_SMALL, 128))
+        ns.lookup(tokens)
+        now[0] += 120
+        kv.gc(orphan_grace=10**9)
+        summaries = [
+            json.loads(line.rsplit(',"', 1)[0] + "}")
+            for line in kv.audit.export(kv.db.read, tenant="acme")
+        ]
+        usage = [r for r in summaries if r.get("action") == "usage.summary"]
+        assert len(usage) == 1
+        assert usage[0]["details"]["hit_tokens"] == 128
+        assert usage[0]["details"]["stored_tokens"] == 128
+        assert "usage.summary" not in _actions(kv, "idle")  # nothing happened to it
+        kv.gc(orphan_grace=10**9)  # no new complete minute: no second summary
+        assert _actions(kv, "acme").count("usage.summary") == 1
+
+
+def test_cli_audit_commands_are_wired(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "c"
+    with tenantkv.open(root, durable=False) as kv:
+        kv.create_tenant("acme")
+    export, key = tmp_path / "acme.jsonl", tmp_path / "audit.pem"
+    assert main(["audit", "export", str(root), "--tenant", "acme", "--output", str(export)]) == 0
+    assert main(["audit", "public-key", str(root)]) == 0
+    key.write_text(capsys.readouterr().out)
+    assert main(["audit", "verify", str(export), "--public-key", str(key)]) == 0
+    export.write_text(export.read_text().replace("tenant.create", "tenant.delete", 1))
+    assert main(["audit", "verify", str(export), "--public-key", str(key)]) == 1
