@@ -1,4 +1,5 @@
-"""The ``tenantkv`` command line: ``init``, ``info``, ``gc`` and ``walkthrough``."""
+"""The ``tenantkv`` command line: ``init``, ``info``, ``gc``, ``walkthrough``, ``audit``,
+``serve`` and ``token``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from . import (
 from . import open as open_cache
 from .cli_audit import register as register_audit_commands
 from .gc import text_progress
+from .server.cli import register as register_server_commands
 
 DEFAULT_ROOT_ENV = "TENANTKV_ROOT"
 
@@ -41,10 +43,16 @@ def _print_table(rows: Sequence[tuple[str, str]]) -> None:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
+    from .server.auth import ensure_first_operator_token
+
     with open_cache(args.root) as kv:
+        token = ensure_first_operator_token(kv)
         info = kv.info()
     print(f"tenantkv {__version__}: cache ready at {Path(info['root']).resolve()}")
     _print_table([(k, str(v)) for k, v in info.items()])
+    if token is not None:
+        print("\nfirst operator token (shown once, stored only as a hash; keep it safe):")
+        print(f"  {token}")
     return 0
 
 
@@ -178,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(handler=_cmd_gc)
 
     register_audit_commands(commands)
+    register_server_commands(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")

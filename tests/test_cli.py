@@ -23,6 +23,11 @@ def test_init_creates_index_and_private_key_file(
     assert "cache ready" in out and "schema_version" in out
     assert (root / "index.db").exists()
     assert stat.S_IMODE((root / "master.key").stat().st_mode) == 0o600
+    token = out.strip().splitlines()[-1].strip()
+    assert "first operator token" in out and token.startswith("tkv_")
+    assert token.encode() not in (root / "index.db").read_bytes()  # stored only as a hash
+    assert main(["init", str(root)]) == 0
+    assert "first operator token" not in capsys.readouterr().out  # shown once only
 
 
 def test_info_reports_what_the_cache_holds(

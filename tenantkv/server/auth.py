@@ -1,0 +1,294 @@
+"""Bearer tokens of the admin API: creation, verification, revocation, operator bootstrap.
+
+A token is ``tkv_<43 url-safe characters>`` (256 random bits), shown once when it is made. The
+index keeps only ``sha256(token)`` (see ``models.py``); a presented token is hashed, the row
+found by its hash, and the stored and computed digests compared with ``hmac.compare_digest``.
+The token id (the first 16 hex digits of that hash) names a token in listings, audit records
+and revocation without revealing it; a holder can compute it from the token.
+
+Roles: ``operator`` (every tenant, tokens, checkpoints), ``tenant-admin`` (its own tenant only),
+``auditor`` (read-only: audit exports and the public key). This module needs no web framework,
+so the CLI can make and revoke tokens without the server extras installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN, AuditEvent
+from ..errors import InvalidRequestError, TenantNotFoundError
+from ..models import Tenant
+from ..tenants import check_tenant_name
+from .models import ApiToken, ServerBase
+
+if TYPE_CHECKING:
+    from ..cache import TenantKV
+
+Role = Literal["operator", "tenant-admin", "auditor"]
+ROLES: Final[tuple[Role, ...]] = (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR)
+TOKEN_PREFIX: Final = "tkv_"
+MAX_TTL_SECONDS: Final = 366 * 86400.0
+TOKEN_CREATE: Final = "token.create"
+TOKEN_REVOKE: Final = "token.revoke"
+_TOKEN = re.compile(r"tkv_[A-Za-z0-9_-]{43}")
+_TOKEN_ID = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's id, role and (for a tenant-admin) tenant."""
+
+    token_id: str
+    role: Role
+    tenant: str | None
+    expires_at: float | None = None
+
+    @property
+    def actor(self) -> str:
+        return f"token:{self.token_id}"
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """What a listing shows of a token (never the token or its hash)."""
+
+    id: str
+    role: Role
+    tenant: str | None
+    created_at: float
+    created_by: str
+    expires_at: float | None
+    revoked_at: float | None
+
+
+class AuthError(Exception):
+    """A presented token is missing, malformed, unknown, expired or revoked (``reason``)."""
+
+    def __init__(self, reason: str, token_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.token_id = token_id
+
+
+def ensure_schema(kv: TenantKV) -> None:
+    """Create the admin API's tables next to the cache's (idempotent)."""
+    ServerBase.metadata.create_all(kv.db.engine)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def token_id_of(token: str) -> str:
+    """The public id of ``token`` (what listings, audit records and revocation use)."""
+    return hash_token(token)[:16]
+
+
+def _check_role(role: Any) -> Role:
+    for known in ROLES:
+        if role == known:
+            return known
+    raise InvalidRequestError(f"role {role!r} must be one of {', '.join(ROLES)}")
+
+
+def _check_ttl(ttl_seconds: Any) -> float | None:
+    if ttl_seconds is None:
+        return None
+    if (
+        isinstance(ttl_seconds, bool)
+        or not isinstance(ttl_seconds, int | float)
+        or not math.isfinite(ttl_seconds)
+        or not 0 < ttl_seconds <= MAX_TTL_SECONDS
+    ):
+        raise InvalidRequestError(
+            f"ttl_seconds must be more than 0 and at most {int(MAX_TTL_SECONDS)}"
+        )
+    return float(ttl_seconds)
+
+
+def insert_token(
+    kv: TenantKV,
+    session: Session,
+    role: Any,
+    tenant: str | None,
+    ttl_seconds: Any,
+    *,
+    actor: str,
+    actor_role: str,
+    request_id: str | None = None,
+) -> str:
+    """Make a token inside ``session``'s write transaction, audited in it; return the token."""
+    checked_role = _check_role(role)
+    ttl = _check_ttl(ttl_seconds)
+    if checked_role == ROLE_TENANT_ADMIN:
+        if tenant is None:
+            raise InvalidRequestError("a tenant-admin token needs a tenant")
+        check_tenant_name(tenant)
+        if session.scalar(select(Tenant.id).where(Tenant.name == tenant)) is None:
+            raise TenantNotFoundError(f"no tenant named {tenant!r}")
+    elif tenant is not None:
+        raise InvalidRequestError(f"a {checked_role} token is not bound to a tenant")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    digest = hash_token(token)
+    now = kv.clock()
+    row = ApiToken(
+        id=digest[:16],
+        token_hash=digest,
+        role=checked_role,
+        tenant=tenant,
+        created_at=now,
+        created_by=actor,
+        expires_at=None if ttl is None else now + ttl,
+        revoked_at=None,
+    )
+    session.add(row)
+    session.flush()
+    kv.audit.append(
+        session,
+        AuditEvent(
+            actor=actor,
+            role=actor_role,
+            tenant=tenant,
+            action=TOKEN_CREATE,
+            target=row.id,
+            request_id=request_id,
+            details={"token_id": row.id, "role": checked_role, "expires_at": row.expires_at},
+        ),
+    )
+    return token
+
+
+def create_token(
+    kv: TenantKV, role: Role, tenant: str | None = None, ttl_seconds: float | None = None
+) -> str:
+    """Make a token (returned once; only its hash is stored), as the cache's own process."""
+    ensure_schema(kv)
+    with kv.db.write() as session:
+        return insert_token(
+            kv, session, role, tenant, ttl_seconds, actor=kv.actor, actor_role=ROLE_OPERATOR
+        )
+
+
+def ensure_first_operator_token(kv: TenantKV) -> str | None:
+    """A new operator token if no usable (unrevoked, unexpired) one exists; else None."""
+    ensure_schema(kv)
+    with kv.db.write() as session:
+        now = kv.clock()
+        existing = session.scalar(
+            select(ApiToken.id).where(
+                ApiToken.role == ROLE_OPERATOR,
+                ApiToken.revoked_at.is_(None),
+                (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now),
+            )
+        )
+        if existing is not None:
+            return None
+        return insert_token(
+            kv, session, ROLE_OPERATOR, None, None, actor=kv.actor, actor_role=ROLE_OPERATOR
+        )
+
+
+def mark_revoked(
+    kv: TenantKV,
+    session: Session,
+    token_id: str,
+    *,
+    actor: str,
+    actor_role: str,
+    request_id: str | None = None,
+    tenant: str | None = None,
+) -> bool:
+    """Revoke one token inside ``session`` (audited there); False if there is no such token
+    (or, with ``tenant``, none of that tenant's)."""
+    if not isinstance(token_id, str) or not _TOKEN_ID.fullmatch(token_id):
+        raise InvalidRequestError("a token id is 16 lower-case hex digits")
+    query = select(ApiToken).where(ApiToken.id == token_id)
+    if tenant is not None:
+        query = query.where(ApiToken.tenant == tenant)
+    row = session.scalar(query)
+    if row is None:
+        return False
+    if row.revoked_at is None:
+        row.revoked_at = kv.clock()
+    kv.audit.append(
+        session,
+        AuditEvent(
+            actor=actor,
+            role=actor_role,
+            tenant=row.tenant,
+            action=TOKEN_REVOKE,
+            target=row.id,
+            request_id=request_id,
+            details={"token_id": row.id, "role": row.role},
+        ),
+    )
+    return True
+
+
+def revoke_token(kv: TenantKV, token_id: str) -> bool:
+    """Revoke a token by id, as the cache's own process; False if there is no such token."""
+    ensure_schema(kv)
+    with kv.db.write() as session:
+        return mark_revoked(kv, session, token_id, actor=kv.actor, actor_role=ROLE_OPERATOR)
+
+
+def revoke_tenant_tokens(kv: TenantKV, session: Session, tenant: str) -> int:
+    """Revoke every token bound to ``tenant`` (before it is deleted: a tenant created again
+    under the same name must not inherit its predecessor's admins)."""
+    result = session.execute(
+        update(ApiToken)
+        .where(ApiToken.tenant == tenant, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=kv.clock())
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
+    """Every token (or one tenant's), newest first, without secrets."""
+    with kv.db.read() as session:
+        query = select(ApiToken).order_by(ApiToken.created_at.desc(), ApiToken.id)
+        if tenant is not None:
+            query = query.where(ApiToken.tenant == tenant)
+        return [
+            TokenInfo(
+                id=row.id,
+                role=_check_role(row.role),
+                tenant=row.tenant,
+                created_at=row.created_at,
+                created_by=row.created_by,
+                expires_at=row.expires_at,
+                revoked_at=row.revoked_at,
+            )
+            for row in session.scalars(query)
+        ]
+
+
+def verify_token(kv: TenantKV, token: str | None) -> Principal:
+    """The principal ``token`` authenticates, or raise AuthError with the reason."""
+    if not token:
+        raise AuthError("missing")
+    if not _TOKEN.fullmatch(token):
+        raise AuthError("malformed")
+    digest = hash_token(token)
+    with kv.db.read() as session:
+        row = session.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
+    if row is None or not hmac.compare_digest(row.token_hash, digest):
+        raise AuthError("unknown")
+    if row.revoked_at is not None:
+        raise AuthError("revoked", row.id)
+    if row.expires_at is not None and kv.clock() >= row.expires_at:
+        raise AuthError("expired", row.id)
+    return Principal(
+        token_id=row.id, role=_check_role(row.role), tenant=row.tenant, expires_at=row.expires_at
+    )

@@ -1,0 +1,159 @@
+"""``/v1/audit``: streamed exports, signed checkpoints, the verification key.
+
+Who exports what: operators and auditors any chain (``tenant=`` one tenant's, none: every
+chain, the system chain included); a tenant-admin only its own tenant's chain (another name is
+the no-oracle 404). Each export is audited, before it streams, on the chain it exports (the
+system chain for an all-chains export).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Final
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from ...audit import (
+    AUDIT_EXPORT,
+    ROLE_TENANT_ADMIN,
+    AuditCheckpointRow,
+    ExportFormat,
+    chain_for,
+)
+from ..caller import Caller
+from ..dependencies import KV, AnyRole, AuditReader, Operator, refuse
+from ..errors import not_found
+
+router = APIRouter(prefix="/v1/audit", tags=["audit"])
+
+AUDIT_CHECKPOINT: Final = "audit.checkpoint"
+MAX_TIME: Final = 1e11
+_MEDIA: Final[dict[str, str]] = {
+    "jsonl": "application/x-ndjson",
+    "cef": "text/plain; charset=utf-8",
+    "ocsf": "application/x-ndjson",
+}
+TenantParam = Annotated[str | None, Query(min_length=1, max_length=128)]
+TimeParam = Annotated[float | None, Query(ge=0, le=MAX_TIME, allow_inf_nan=False)]
+
+
+class CheckpointRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)
+
+
+class CheckpointOut(BaseModel):
+    chain: str
+    seq: int
+    head_hash: str
+    count: int
+    time_us: int
+    key_id: str
+    signature: str
+
+
+def _chain_tenant(request: Request, kv: KV, caller: Caller, tenant: str | None) -> str | None:
+    """The tenant whose chain ``caller`` reads (None: every chain, or the system chain)."""
+    if caller.role != ROLE_TENANT_ADMIN:
+        return tenant
+    own = caller.principal.tenant
+    if tenant is not None and tenant != own:
+        refuse(request, kv, caller, "other-tenant")
+        raise not_found()
+    return own
+
+
+@router.get("/export", response_class=StreamingResponse)
+def export(
+    request: Request,
+    kv: KV,
+    caller: AuditReader,
+    tenant: TenantParam = None,
+    since: TimeParam = None,
+    until: TimeParam = None,
+    fmt: ExportFormat = "jsonl",
+) -> StreamingResponse:
+    """Stream the log as JSON Lines (verifiable offline with ``tenantkv audit verify``), CEF
+    or OCSF. The set of records is fixed when the export starts."""
+    chain_tenant = _chain_tenant(request, kv, caller, tenant)
+    lines = kv.audit.export(kv.db.read, tenant=chain_tenant, since=since, until=until, fmt=fmt)
+    with kv.db.write() as session:
+        kv.audit.append(
+            session,
+            caller.event(
+                chain_tenant,
+                AUDIT_EXPORT,
+                chain_for(chain_tenant) if chain_tenant else "all",
+                details={"format": fmt, "since": since, "until": until},
+            ),
+        )
+
+    def body() -> Iterator[bytes]:
+        for line in lines:
+            yield (line + "\n").encode("utf-8")
+
+    return StreamingResponse(body(), media_type=_MEDIA[fmt])
+
+
+@router.get("/checkpoints", response_model=list[CheckpointOut])
+def list_checkpoints(
+    request: Request, kv: KV, caller: AuditReader, tenant: TenantParam = None
+) -> list[CheckpointOut]:
+    """Stored signed checkpoints of one chain (``tenant``; none: the system chain)."""
+    chain = chain_for(_chain_tenant(request, kv, caller, tenant))
+    with kv.db.read() as session:
+        rows = session.scalars(
+            select(AuditCheckpointRow)
+            .where(AuditCheckpointRow.chain == chain)
+            .order_by(AuditCheckpointRow.seq, AuditCheckpointRow.time_us)
+            .limit(1000)
+        ).all()
+        return [
+            CheckpointOut(
+                chain=row.chain,
+                seq=row.seq,
+                head_hash=row.head_hash,
+                count=row.count,
+                time_us=row.time_us,
+                key_id=row.key_id,
+                signature=_text(row.signature),
+            )
+            for row in rows
+        ]
+
+
+@router.post("/checkpoints", status_code=201, response_model=CheckpointOut)
+def create_checkpoint(
+    kv: KV, caller: Operator, body: CheckpointRequest | None = None
+) -> CheckpointOut:
+    """Sign the current head of a chain now (``tenant``; none: the system chain). The request
+    is recorded on that chain first, so the checkpoint covers its own audit record."""
+    tenant = body.tenant if body else None
+    chain = chain_for(tenant)
+    with kv.db.write() as session:
+        kv.audit.append(session, caller.event(tenant, AUDIT_CHECKPOINT, chain))
+        checkpoint = kv.audit.checkpoint(session, chain)
+    return CheckpointOut(
+        chain=checkpoint.chain,
+        seq=checkpoint.seq,
+        head_hash=checkpoint.head_hash,
+        count=checkpoint.count,
+        time_us=checkpoint.time_us,
+        key_id=checkpoint.key_id,
+        signature=_text(checkpoint.signature),
+    )
+
+
+@router.get("/public-key", response_class=Response)
+def public_key(kv: KV, caller: AnyRole) -> Response:
+    """The Ed25519 checkpoint verification key (PEM), for ``tenantkv audit verify``."""
+    with kv.db.read() as session:
+        pem = kv.audit.public_key_pem(session)
+    return Response(pem, media_type="application/x-pem-file")
+
+
+def _text(value: object) -> str:
+    return value.hex() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,213 @@
+"""``/v1/tenants``: lifecycle, quotas and retention, keys, usage, purge.
+
+State changes run TenantKV's own tenant functions on a :class:`~tenantkv.server.caller.CallerView`
+so that their audit records (written in the change's transaction) name the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from ... import tenants
+from ...audit import ROLE_TENANT_ADMIN, TENANT_DELETE
+from ...errors import InvalidRequestError, TenantNotFoundError
+from ...models import Tenant
+from ...tenants import TenantInfo
+from ..auth import revoke_tenant_tokens
+from ..caller import Caller, as_caller
+from ..dependencies import KV, TenantCaller, TenantOperator, refuse, require_roles
+from ..errors import FORBIDDEN, ApiError
+from ..purge import purge
+
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+
+MAX_QUOTA: Final = 2**62
+MAX_TIME: Final = 1e11  # seconds since the epoch; year 5138
+Retention = Annotated[dict[str, float | str], Field(max_length=32)]
+Lister = Annotated[Caller, Depends(require_roles("operator", "tenant-admin"))]
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+    quota_bytes: int | None = Field(default=None, gt=0, le=MAX_QUOTA)
+    retention: Retention | None = Field(
+        default=None, description='class -> duration, e.g. {"agent": "3d", "chat": 86400}'
+    )
+
+
+class TenantUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    quota_bytes: int | None = Field(default=None, gt=0, le=MAX_QUOTA)
+    retention: Retention | None = None
+
+
+class TenantOut(BaseModel):
+    name: str
+    created_at: float
+    key_version: int
+    key_versions: list[int]
+    quota_bytes: int
+    used_bytes: int
+    retention: dict[str, float]
+
+    @classmethod
+    def of(cls, info: TenantInfo) -> TenantOut:
+        return cls(
+            name=info.name,
+            created_at=info.created_at,
+            key_version=info.key_version,
+            key_versions=list(info.key_versions),
+            quota_bytes=info.quota_bytes,
+            used_bytes=info.used_bytes,
+            retention=dict(info.retention or {}),
+        )
+
+
+class KeyRotation(BaseModel):
+    key_version: int
+
+
+class KeyRetirement(BaseModel):
+    resealed: int
+    dropped: int
+    skipped_in_use: int
+    retired_versions: list[int]
+    extents_on_old_keys: int
+
+
+class UsageOut(BaseModel):
+    tenant: str
+    scope: str | None
+    since: float | None
+    until: float | None
+    hit_tokens: int
+    miss_tokens: int
+    served_tokens: int
+    stored_tokens: int
+    stored_bytes: int
+    evicted_extents: int
+    evicted_bytes: int
+    expired_extents: int
+    expired_bytes: int
+    cost_units: float
+
+
+class PurgeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scope: str | None = Field(
+        default=None, max_length=256, description='one scope ("" = tenant-wide); all if absent'
+    )
+
+
+class PurgeOut(BaseModel):
+    extents: int
+    bytes: int
+    skipped_in_use: int
+
+
+@router.post("", status_code=201, response_model=TenantOut)
+def create_tenant(
+    body: TenantCreate, kv: KV, caller: Annotated[Caller, Depends(require_roles("operator"))]
+) -> TenantOut:
+    info = tenants.create_tenant(as_caller(kv, caller), body.name, body.quota_bytes, body.retention)
+    return TenantOut.of(info)
+
+
+@router.get("", response_model=list[TenantOut])
+def list_tenants(kv: KV, caller: Lister) -> list[TenantOut]:
+    if caller.role == ROLE_TENANT_ADMIN:
+        own = caller.principal.tenant
+        try:
+            return [TenantOut.of(kv.get_tenant(own))] if own else []
+        except TenantNotFoundError:
+            return []
+    return [TenantOut.of(info) for info in kv.list_tenants()]
+
+
+@router.get("/{name}", response_model=TenantOut)
+def get_tenant(name: str, kv: KV, caller: TenantCaller) -> TenantOut:
+    return TenantOut.of(kv.get_tenant(name))
+
+
+@router.patch("/{name}", response_model=TenantOut)
+def update_tenant(
+    name: str, body: TenantUpdate, request: Request, kv: KV, caller: TenantCaller
+) -> TenantOut:
+    """Quota (operators only: quotas reserve shared capacity) and/or retention."""
+    if body.quota_bytes is not None and caller.role == ROLE_TENANT_ADMIN:
+        refuse(request, kv, caller, "role")
+        raise ApiError(403, dict(FORBIDDEN))
+    info = tenants.update_tenant(as_caller(kv, caller), name, body.quota_bytes, body.retention)
+    return TenantOut.of(info)
+
+
+@router.delete("/{name}", status_code=204)
+def delete_tenant(name: str, kv: KV, caller: TenantOperator) -> Response:
+    """Crypto-shred the tenant. Its API tokens are revoked first (in their own transaction,
+    audited there), so a tenant created again under this name inherits no admins."""
+    with kv.db.write() as session:
+        if session.scalar(select(Tenant.id).where(Tenant.name == name)) is None:
+            raise TenantNotFoundError(name)
+        revoked = revoke_tenant_tokens(kv, session, name)
+        kv.audit.append(
+            session,
+            caller.event(
+                name, "token.revoke", name, details={"tenant_tokens": revoked, "for": TENANT_DELETE}
+            ),
+        )
+    tenants.delete_tenant(as_caller(kv, caller), name)
+    return Response(status_code=204)
+
+
+@router.post("/{name}/keys/rotate", response_model=KeyRotation)
+def rotate_keys(name: str, kv: KV, caller: TenantCaller) -> KeyRotation:
+    return KeyRotation(key_version=tenants.rotate_keys(as_caller(kv, caller), name))
+
+
+@router.post("/{name}/keys/retire", response_model=KeyRetirement)
+def retire_keys(name: str, kv: KV, caller: TenantCaller) -> KeyRetirement:
+    from ...cache import TenantKV
+
+    view = as_caller(kv, caller)
+    result: dict[str, Any] = TenantKV.retire_keys(view, name)
+    return KeyRetirement(**result)
+
+
+@router.get("/{name}/usage", response_model=UsageOut)
+def usage(
+    name: str,
+    kv: KV,
+    caller: TenantCaller,
+    since: Annotated[float | None, Query(ge=0, le=MAX_TIME, allow_inf_nan=False)] = None,
+    until: Annotated[float | None, Query(ge=0, le=MAX_TIME, allow_inf_nan=False)] = None,
+    scope: Annotated[str | None, Query(max_length=256)] = None,
+) -> UsageOut:
+    """Metering for buckets starting in [since, until); cost units price a miss at 1 per token
+    and a token served from cache at the cache's ``hit_cost``."""
+    if since is not None and until is not None and since >= until:
+        raise InvalidRequestError("since must be before until")
+    report = kv.usage(name, since=since, until=until, scope=scope)
+    return UsageOut(
+        tenant=report.tenant,
+        scope=report.scope,
+        since=report.since,
+        until=report.until,
+        cost_units=report.cost_units,
+        **report.counters,
+    )
+
+
+@router.post("/{name}/purge", response_model=PurgeOut)
+def purge_cache(
+    name: str, kv: KV, caller: TenantCaller, body: PurgeRequest | None = None
+) -> PurgeOut:
+    """Drop the tenant's cached prefixes (one scope's if given); the tenant and keys stay."""
+    report = purge(kv, caller, name, body.scope if body else None)
+    return PurgeOut(
+        extents=report.extents, bytes=report.bytes, skipped_in_use=report.skipped_in_use
+    )

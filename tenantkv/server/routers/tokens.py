@@ -1,0 +1,159 @@
+"""API tokens: a tenant's admins (``/v1/tenants/{name}/tokens``) and every token (``/v1/tokens``,
+operators only). A token is returned once, at creation; listings show ids and metadata only."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...audit import ROLE_TENANT_ADMIN
+from ...errors import InvalidRequestError
+from ..auth import Role, TokenInfo, insert_token, list_tokens, mark_revoked, token_id_of
+from ..caller import Caller
+from ..dependencies import KV, AppSettings, Operator, TenantCaller
+from ..errors import ApiError
+from ..settings import Settings
+
+router = APIRouter(tags=["tokens"])
+
+TokenId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]
+_NO_TOKEN = {"error": "not_found", "detail": "no such token"}
+
+
+class TenantTokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ttl_seconds: float | None = Field(default=None, gt=0, le=366 * 86400, allow_inf_nan=False)
+
+
+class TokenCreate(TenantTokenCreate):
+    role: Role
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)
+
+
+class TokenCreated(BaseModel):
+    token: str = Field(description="shown once; only its hash is kept")
+    token_id: str
+    role: Role
+    tenant: str | None
+    expires_at: float | None
+
+
+class TokenOut(BaseModel):
+    id: str
+    role: Role
+    tenant: str | None
+    created_at: float
+    created_by: str
+    expires_at: float | None
+    revoked_at: float | None
+
+    @classmethod
+    def of(cls, info: TokenInfo) -> TokenOut:
+        return cls(**info.__dict__)
+
+
+def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> float | None:
+    """The token's lifetime: as asked (default ``default_token_ttl_seconds``), at most
+    ``max_token_ttl_seconds``, and for a tenant-admin never past its own token's expiry (a
+    tenant-admin cannot outlive its own credential by minting new ones)."""
+    ttl = settings.default_token_ttl_seconds if asked is None else asked
+    if ttl is not None and ttl > settings.max_token_ttl_seconds:
+        raise InvalidRequestError(
+            f"ttl_seconds may be at most {int(settings.max_token_ttl_seconds)}"
+        )
+    if caller.role == ROLE_TENANT_ADMIN:
+        limit = caller.principal.expires_at
+        if limit is not None:
+            remaining = limit - kv.clock()
+            ttl = remaining if ttl is None else min(ttl, remaining)
+        elif ttl is None:
+            ttl = settings.max_token_ttl_seconds
+    return ttl
+
+
+def _create(
+    kv: KV, caller: Caller, role: Role, tenant: str | None, ttl: float | None
+) -> TokenCreated:
+    with kv.db.write() as session:
+        token = insert_token(
+            kv,
+            session,
+            role,
+            tenant,
+            ttl,
+            actor=caller.actor,
+            actor_role=caller.role,
+            request_id=caller.request_id,
+        )
+    info = next(t for t in list_tokens(kv, tenant) if t.id == token_id_of(token))
+    return TokenCreated(
+        token=token, token_id=info.id, role=role, tenant=tenant, expires_at=info.expires_at
+    )
+
+
+@router.post("/v1/tenants/{name}/tokens", status_code=201, response_model=TokenCreated)
+def create_tenant_token(
+    name: str,
+    kv: KV,
+    settings: AppSettings,
+    caller: TenantCaller,
+    body: TenantTokenCreate | None = None,
+) -> TokenCreated:
+    """A new tenant-admin token for this tenant (operators, or this tenant's admins)."""
+    ttl = _ttl(settings, caller, kv, body.ttl_seconds if body else None)
+    return _create(kv, caller, ROLE_TENANT_ADMIN, name, ttl)
+
+
+@router.get("/v1/tenants/{name}/tokens", response_model=list[TokenOut])
+def list_tenant_tokens(name: str, kv: KV, caller: TenantCaller) -> list[TokenOut]:
+    kv.get_tenant(name)  # a missing tenant is a 404, not an empty list
+    return [TokenOut.of(info) for info in list_tokens(kv, name)]
+
+
+@router.delete("/v1/tenants/{name}/tokens/{token_id}", status_code=204)
+def revoke_tenant_token(name: str, token_id: TokenId, kv: KV, caller: TenantCaller) -> Response:
+    kv.get_tenant(name)
+    with kv.db.write() as session:
+        found = mark_revoked(
+            kv,
+            session,
+            token_id,
+            actor=caller.actor,
+            actor_role=caller.role,
+            request_id=caller.request_id,
+            tenant=name,
+        )
+    if not found:
+        raise ApiError(404, dict(_NO_TOKEN))
+    return Response(status_code=204)
+
+
+@router.post("/v1/tokens", status_code=201, response_model=TokenCreated)
+def create_token(
+    body: TokenCreate, kv: KV, settings: AppSettings, caller: Operator
+) -> TokenCreated:
+    """A token of any role (operators only)."""
+    return _create(kv, caller, body.role, body.tenant, _ttl(settings, caller, kv, body.ttl_seconds))
+
+
+@router.get("/v1/tokens", response_model=list[TokenOut])
+def list_all_tokens(kv: KV, caller: Operator) -> list[TokenOut]:
+    return [TokenOut.of(info) for info in list_tokens(kv)]
+
+
+@router.delete("/v1/tokens/{token_id}", status_code=204)
+def revoke_token(token_id: TokenId, kv: KV, caller: Operator) -> Response:
+    with kv.db.write() as session:
+        found = mark_revoked(
+            kv,
+            session,
+            token_id,
+            actor=caller.actor,
+            actor_role=caller.role,
+            request_id=caller.request_id,
+        )
+    if not found:
+        raise ApiError(404, dict(_NO_TOKEN))
+    return Response(status_code=204)

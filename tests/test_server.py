@@ -1,0 +1,379 @@
+"""The admin API, endpoint by endpoint and role by role (FastAPI TestClient), plus one run
+against a real uvicorn server on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn
+from fastapi.testclient import TestClient
+
+import tenantkv
+from tenantkv import TenantKV
+from tenantkv.audit import verify_export
+from tenantkv.server.app import create_app
+from tenantkv.server.auth import (
+    create_token,
+    ensure_first_operator_token,
+    revoke_token,
+    token_id_of,
+)
+from tenantkv.server.settings import Settings
+from tests.helpers import MLA_SMALL, random_layers, random_tokens
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Api:
+    kv: TenantKV
+    client: TestClient
+    clock: FakeClock
+    operator: dict[str, str]
+    auditor: dict[str, str]
+    acme: dict[str, str]  # tenant-admin of acme
+    globex: dict[str, str]  # tenant-admin of globex
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(name="api")
+def api_fixture(tmp_path: Path) -> Iterator[Api]:
+    clock = FakeClock()
+    kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**50, clock=clock)
+    try:
+        app = create_app(kv, Settings(root=str(tmp_path / "cache")))
+        operator = ensure_first_operator_token(kv)
+        assert operator is not None
+        kv.create_tenant("acme")
+        kv.create_tenant("globex")
+        with TestClient(app) as client:
+            yield Api(
+                kv=kv,
+                client=client,
+                clock=clock,
+                operator=bearer(operator),
+                auditor=bearer(create_token(kv, "auditor")),
+                acme=bearer(create_token(kv, "tenant-admin", "acme")),
+                globex=bearer(create_token(kv, "tenant-admin", "globex")),
+            )
+    finally:
+        kv.close()
+
+
+def store_some(kv: TenantKV, tenant: str, scope: str | None = None, seed: int = 0) -> list[int]:
+    ns = kv.namespace(tenant, model="m", layout=MLA_SMALL, scope=scope)
+    tokens = random_tokens(128, seed=seed)
+    ns.store(tokens, random_layers(MLA_SMALL, 128, seed=seed))
+    assert ns.lookup(tokens) == 128
+    return tokens
+
+
+def audit_records(kv: TenantKV, tenant: str | None) -> list[dict[str, object]]:
+    with kv.db.read() as session:
+        lines = list(kv.audit.export(session, tenant=tenant))
+    return [
+        r for r in map(json.loads, lines) if r.get("type", "record") == "record" and "action" in r
+    ]
+
+
+# ---- bootstrap and health ----------------------------------------------------------------------
+
+
+def test_bootstrap_token_only_once(api: Api) -> None:
+    assert ensure_first_operator_token(api.kv) is None
+    assert api.client.get("/v1/tenants", headers=api.operator).status_code == 200
+
+
+def test_healthz_needs_no_token(api: Api) -> None:
+    response = api.client.get("/healthz")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_metrics_text_format_without_tenant_names(api: Api) -> None:
+    api.client.get("/v1/tenants/acme", headers=api.acme)
+    assert api.client.get("/metrics").status_code == 401
+    assert api.client.get("/metrics", headers=api.acme).status_code == 403
+    response = api.client.get("/metrics", headers=api.auditor)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    assert "tenantkv_tenants 2" in text
+    assert 'route="/v1/tenants/{name}",status="200"' in text
+    assert (
+        "acme" not in text and "globex" not in text and "tkv_" not in text.replace("tenantkv_", "")
+    )
+
+
+# ---- tenants -----------------------------------------------------------------------------------
+
+
+def test_create_list_get_update_delete(api: Api) -> None:
+    c = api.client
+    created = c.post(
+        "/v1/tenants",
+        json={"name": "initech", "quota_bytes": 2**20, "retention": {"agent": "1d"}},
+        headers=api.operator,
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["quota_bytes"] == 2**20
+    assert created.json()["retention"]["agent"] == 86400.0
+    assert c.post("/v1/tenants", json={"name": "initech"}, headers=api.operator).status_code == 409
+    names = [t["name"] for t in c.get("/v1/tenants", headers=api.operator).json()]
+    assert names == ["acme", "globex", "initech"]
+    assert c.get("/v1/tenants/initech", headers=api.operator).json()["name"] == "initech"
+    updated = c.patch(
+        "/v1/tenants/initech",
+        json={"quota_bytes": 2**21, "retention": {"chat": "2h"}},
+        headers=api.operator,
+    )
+    assert updated.status_code == 200
+    assert updated.json()["quota_bytes"] == 2**21 and updated.json()["retention"]["chat"] == 7200
+    assert c.delete("/v1/tenants/initech", headers=api.operator).status_code == 204
+    assert c.get("/v1/tenants/initech", headers=api.operator).status_code == 404
+    assert c.delete("/v1/tenants/initech", headers=api.operator).status_code == 404
+
+
+def test_delete_crypto_shreds_and_revokes_tenant_tokens(api: Api) -> None:
+    store_some(api.kv, "acme")
+    assert api.client.get("/v1/tenants/acme", headers=api.acme).status_code == 200
+    assert api.client.delete("/v1/tenants/acme", headers=api.operator).status_code == 204
+    assert api.kv.info()["extents"] == 0
+    api.kv.create_tenant("acme")  # the same name again: the old admin token must not carry over
+    assert api.client.get("/v1/tenants/acme", headers=api.acme).status_code == 401
+
+
+def test_validation_errors_are_clear_4xx(api: Api) -> None:
+    c = api.client
+    for body in (
+        {"name": "bad name!"},
+        {"name": ""},
+        {"name": "x", "quota_bytes": 0},
+        {"name": "x", "quota_bytes": 2**70},
+        {"name": "x", "retention": {"agent": "forever"}},
+        {"name": "x", "retention": {"BAD": "1d"}},
+        {"name": "x", "unknown": 1},
+        {"name": 5},
+    ):
+        response = c.post("/v1/tenants", json=body, headers=api.operator)
+        assert response.status_code == 422, (body, response.text)
+        assert response.json()["error"] == "invalid_request" and response.json()["detail"]
+    response = c.post(
+        "/v1/tenants", json={"name": "big", "quota_bytes": 2**60}, headers=api.operator
+    )
+    assert response.status_code == 409 and response.json()["error"] == "quota_exceeded"
+    bad_json = c.post(
+        "/v1/tenants",
+        content=b"{nope",
+        headers={**api.operator, "content-type": "application/json"},
+    )
+    assert bad_json.status_code == 422
+    assert c.get("/v1/tenants/acme/usage?since=nan", headers=api.operator).status_code == 422
+    assert c.get("/v1/tenants/acme/usage?since=5&until=1", headers=api.operator).status_code == 422
+
+
+def test_tenant_admin_sees_and_manages_only_its_tenant(api: Api) -> None:
+    c = api.client
+    assert [t["name"] for t in c.get("/v1/tenants", headers=api.acme).json()] == ["acme"]
+    assert c.get("/v1/tenants/acme", headers=api.acme).status_code == 200
+    assert (
+        c.patch("/v1/tenants/acme", json={"retention": {"agent": "2d"}}, headers=api.acme).json()[
+            "retention"
+        ]["agent"]
+        == 2 * 86400
+    )
+    assert (
+        c.patch("/v1/tenants/acme", json={"quota_bytes": 10}, headers=api.acme).status_code == 403
+    )
+    assert c.delete("/v1/tenants/acme", headers=api.acme).status_code == 403
+    assert c.post("/v1/tenants", json={"name": "mine"}, headers=api.acme).status_code == 403
+
+
+def test_auditor_is_read_only(api: Api) -> None:
+    c = api.client
+    assert c.get("/v1/tenants", headers=api.auditor).status_code == 403
+    assert c.get("/v1/tenants/acme", headers=api.auditor).status_code == 403
+    assert c.post("/v1/tenants/acme/keys/rotate", headers=api.auditor).status_code == 403
+    assert c.post("/v1/tenants", json={"name": "n"}, headers=api.auditor).status_code == 403
+    assert c.get("/v1/audit/export", headers=api.auditor).status_code == 200
+    assert c.post("/v1/audit/checkpoints", headers=api.auditor).status_code == 403
+
+
+# ---- keys, usage, purge ------------------------------------------------------------------------
+
+
+def test_rotate_and_retire_keys(api: Api) -> None:
+    tokens = store_some(api.kv, "acme")
+    rotated = api.client.post("/v1/tenants/acme/keys/rotate", headers=api.acme)
+    assert rotated.status_code == 200 and rotated.json() == {"key_version": 2}
+    retired = api.client.post("/v1/tenants/acme/keys/retire", headers=api.acme)
+    assert retired.status_code == 200, retired.text
+    assert retired.json()["retired_versions"] == [1] and retired.json()["resealed"] == 1
+    ns = api.kv.namespace("acme", model="m", layout=MLA_SMALL)
+    assert ns.lookup(tokens) == 128
+
+
+def test_usage_reports_hits_misses_bytes_and_cost(api: Api) -> None:
+    tokens = store_some(api.kv, "acme", scope="s1")
+    ns = api.kv.namespace("acme", model="m", layout=MLA_SMALL, scope="s1")
+    ns.lookup(tokens + random_tokens(64, seed=9))
+    response = api.client.get("/v1/tenants/acme/usage", params={"scope": "s1"}, headers=api.acme)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["hit_tokens"] >= 128 and body["stored_bytes"] > 0 and body["stored_tokens"] == 128
+    assert body["cost_units"] == pytest.approx(body["miss_tokens"] + body["served_tokens"] / 50)
+    other = api.client.get("/v1/tenants/acme/usage", params={"scope": "s2"}, headers=api.acme)
+    assert other.json()["stored_tokens"] == 0
+
+
+def test_purge_a_scope_then_the_tenant(api: Api) -> None:
+    in_s1 = store_some(api.kv, "acme", scope="s1", seed=1)
+    in_s2 = store_some(api.kv, "acme", scope="s2", seed=2)
+    theirs = store_some(api.kv, "globex", scope="s1", seed=1)
+    response = api.client.post("/v1/tenants/acme/purge", json={"scope": "s1"}, headers=api.acme)
+    assert response.status_code == 200 and response.json()["extents"] == 1
+    s1 = api.kv.namespace("acme", model="m", layout=MLA_SMALL, scope="s1")
+    s2 = api.kv.namespace("acme", model="m", layout=MLA_SMALL, scope="s2")
+    assert s1.lookup(in_s1) == 0 and s2.lookup(in_s2) == 128
+    assert api.client.post("/v1/tenants/acme/purge", headers=api.acme).json()["extents"] == 1
+    assert s2.lookup(in_s2) == 0
+    g = api.kv.namespace("globex", model="m", layout=MLA_SMALL, scope="s1")
+    assert g.lookup(theirs) == 128  # the other tenant keeps its cache
+    assert api.kv.get_tenant("acme").key_version == 1  # purge is not deletion
+
+
+# ---- tokens ------------------------------------------------------------------------------------
+
+
+def test_tenant_tokens_create_list_revoke(api: Api) -> None:
+    c = api.client
+    made = c.post("/v1/tenants/acme/tokens", json={"ttl_seconds": 3600}, headers=api.acme)
+    assert made.status_code == 201
+    token, token_id = made.json()["token"], made.json()["token_id"]
+    assert token.startswith("tkv_") and token_id == token_id_of(token)
+    listed = c.get("/v1/tenants/acme/tokens", headers=api.acme).json()
+    assert token_id in [t["id"] for t in listed] and all("token" not in t for t in listed)
+    assert c.get("/v1/tenants/acme", headers=bearer(token)).status_code == 200
+    assert c.delete(f"/v1/tenants/acme/tokens/{token_id}", headers=api.acme).status_code == 204
+    assert c.get("/v1/tenants/acme", headers=bearer(token)).status_code == 401
+    # another tenant's token id through one's own tenant: no such token
+    globex_id = c.post("/v1/tenants/globex/tokens", headers=api.globex).json()["token_id"]
+    assert c.delete(f"/v1/tenants/acme/tokens/{globex_id}", headers=api.acme).status_code == 404
+
+
+def test_operator_token_management(api: Api) -> None:
+    c = api.client
+    made = c.post("/v1/tokens", json={"role": "auditor"}, headers=api.operator)
+    assert made.status_code == 201 and made.json()["tenant"] is None
+    assert (
+        c.post("/v1/tokens", json={"role": "tenant-admin"}, headers=api.operator).status_code == 422
+    )
+    assert c.post("/v1/tokens", json={"role": "root"}, headers=api.operator).status_code == 422
+    assert c.post("/v1/tokens", json={"role": "auditor"}, headers=api.acme).status_code == 403
+    token_id = made.json()["token_id"]
+    assert c.delete(f"/v1/tokens/{token_id}", headers=api.operator).status_code == 204
+    assert c.get("/v1/audit/public-key", headers=bearer(made.json()["token"])).status_code == 401
+    assert c.delete("/v1/tokens/0123456789abcdef", headers=api.operator).status_code == 404
+    assert revoke_token(api.kv, "0123456789abcdef") is False
+
+
+# ---- audit -------------------------------------------------------------------------------------
+
+
+def test_state_changes_are_audited_with_the_caller(api: Api) -> None:
+    api.client.post("/v1/tenants/acme/keys/rotate", headers={**api.acme, "X-Request-ID": "req-7"})
+    acme_id = token_id_of(api.acme["Authorization"].removeprefix("Bearer "))
+    records = audit_records(api.kv, "acme")
+    rotate = [r for r in records if r["action"] == "keys.rotate"]
+    assert len(rotate) == 1
+    assert rotate[0]["actor"] == f"token:{acme_id}" and rotate[0]["role"] == "tenant-admin"
+    assert rotate[0]["request_id"] == "req-7"
+
+
+def test_export_formats_and_offline_verification(api: Api) -> None:
+    c = api.client
+    c.post("/v1/tenants/acme/keys/rotate", headers=api.acme)
+    pem = c.get("/v1/audit/public-key", headers=api.acme)
+    assert pem.status_code == 200 and pem.text.startswith("-----BEGIN PUBLIC KEY-----")
+    exported = c.get("/v1/audit/export", params={"fmt": "jsonl"}, headers=api.acme)
+    assert exported.status_code == 200
+    report = verify_export(exported.text.splitlines(), pem.content)
+    assert report.ok, report.problems
+    assert "globex" not in exported.text  # a tenant-admin reads its own chain only
+    for fmt in ("cef", "ocsf"):
+        response = c.get("/v1/audit/export", params={"fmt": fmt}, headers=api.auditor)
+        assert response.status_code == 200 and response.text.strip()
+    assert c.get("/v1/audit/export", params={"fmt": "xml"}, headers=api.auditor).status_code == 422
+    everything = c.get("/v1/audit/export", headers=api.operator)
+    assert "tenant:globex" in everything.text and "tenant:acme" in everything.text
+
+
+def test_checkpoints(api: Api) -> None:
+    c = api.client
+    made = c.post("/v1/audit/checkpoints", json={"tenant": "acme"}, headers=api.operator)
+    assert made.status_code == 201 and made.json()["chain"] == "tenant:acme"
+    listed = c.get("/v1/audit/checkpoints", params={"tenant": "acme"}, headers=api.acme)
+    assert [cp["seq"] for cp in listed.json()] == [made.json()["seq"]]
+    empty = c.post("/v1/audit/checkpoints", json={"tenant": "nobody"}, headers=api.operator)
+    assert empty.status_code == 201  # the request's own record starts that chain
+
+
+# ---- a real server -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_real_uvicorn_server(tmp_path: Path) -> None:
+    kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**40)
+    port = _free_port()
+    try:
+        operator = ensure_first_operator_token(kv)
+        assert operator is not None
+        config = uvicorn.Config(
+            create_app(kv, Settings()), host="127.0.0.1", port=port, log_level="warning"
+        )
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start within 10 s"
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=5) as client:
+            assert client.get("/healthz").json() == {"status": "ok"}
+            assert client.get("/v1/tenants").status_code == 401
+            made = client.post("/v1/tenants", json={"name": "acme"}, headers=bearer(operator))
+            assert made.status_code == 201
+            with client.stream(
+                "GET", "/v1/audit/export", params={"tenant": "acme"}, headers=bearer(operator)
+            ) as response:
+                lines = [line for line in response.iter_lines() if line]
+            assert response.status_code == 200 and any("tenant.create" in ln for ln in lines)
+        server.should_exit = True
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    finally:
+        kv.close()
