@@ -143,3 +143,37 @@ class AuditEvent:
     @property
     def chain(self) -> str:
         return chain_for(self.tenant)
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Who takes an action: the actor, its role and (for API calls) the request id.
+
+    Actions are recorded with the attribution of whoever asked for them -- the embedding
+    process for direct Python calls, the authenticated caller for the admin service -- so the
+    code that performs an action takes one of these rather than knowing who its callers are.
+    """
+
+    actor: str
+    role: str
+    request_id: str | None = None
+
+    def event(
+        self,
+        tenant: str | None,
+        action: str,
+        target: str = "",
+        *,
+        outcome: Outcome = "success",
+        details: Mapping[str, Any] | None = None,
+    ) -> AuditEvent:
+        return AuditEvent(
+            actor=self.actor,
+            role=self.role,
+            tenant=tenant,
+            action=action,
+            target=target,
+            outcome=outcome,
+            request_id=self.request_id,
+            details=dict(details or {}),
+        )

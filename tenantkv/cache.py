@@ -22,7 +22,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from . import tenants
-from .audit import FAILURE, KEYS_RETIRE, ROLE_OPERATOR, SUCCESS, AuditEvent, AuditLog
+from .audit import FAILURE, KEYS_RETIRE, ROLE_OPERATOR, Attribution, AuditLog
 from .buffers import RecyclingPool
 from .crypto import (
     DEFAULT_SUITE,
@@ -109,7 +109,10 @@ class TenantKV:
         self.strict = strict
         self.clock = clock
         self.events = SecurityEventLog()
-        self.actor = f"python-api@{socket.gethostname()}:{os.getpid()}"
+        # Whom this process's own actions are recorded as (the admin service passes its callers).
+        self.attribution = Attribution(
+            f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR
+        )
         self.log = logger
         self.meter = Meter()
         self.default_quota_bytes = default_quota_bytes
@@ -208,7 +211,7 @@ class TenantKV:
             if overcommit != previous or capacity != previous_capacity:
                 self.audit.append(
                     session,
-                    self.audit_event(
+                    self.attribution.event(
                         None,
                         "capacity.update",
                         "store",
@@ -223,27 +226,6 @@ class TenantKV:
             )
         return capacity, overcommit
 
-    def audit_event(
-        self,
-        tenant: str | None,
-        action: str,
-        target: str = "",
-        *,
-        outcome: str = SUCCESS,
-        details: Mapping[str, Any] | None = None,
-    ) -> AuditEvent:
-        """An audit event for an action taken through this Python API (the operator's own
-        process; the admin service records its callers instead)."""
-        return AuditEvent(
-            actor=self.actor,
-            role=ROLE_OPERATOR,
-            tenant=tenant,
-            action=action,
-            target=target,
-            outcome=outcome,  # type: ignore[arg-type]
-            details=dict(details or {}),
-        )
-
     def record_security_event(self, kind: str, tenant: str, detail: str, action: str) -> None:
         """Log, count and audit a data-plane security event. Never raises: the serving path
         must not fail because the audit write did."""
@@ -252,7 +234,7 @@ class TenantKV:
             with self.db.write() as session:
                 self.audit.append(
                     session,
-                    self.audit_event(
+                    self.attribution.event(
                         tenant or None, action, outcome=FAILURE, details={"detail": detail[:500]}
                     ),
                 )
@@ -303,6 +285,7 @@ class TenantKV:
         *,
         quota_bytes: int | None = None,
         retention: Mapping[str, Any] | None = None,
+        by: Attribution | None = None,
     ) -> TenantInfo:
         """Create a tenant with a fresh data key.
 
@@ -312,7 +295,7 @@ class TenantKV:
         TenantExistsError; a quota that does not fit the capacity raises QuotaExceededError.
         """
         self.check_open()
-        return tenants.create_tenant(self, name, quota_bytes, retention)
+        return tenants.create_tenant(self, name, quota_bytes, retention, by or self.attribution)
 
     def update_tenant(
         self,
@@ -320,10 +303,11 @@ class TenantKV:
         *,
         quota_bytes: int | None = None,
         retention: Mapping[str, Any] | None = None,
+        by: Attribution | None = None,
     ) -> TenantInfo:
         """Change quota and/or retention; a lower quota evicts the tenant's LRU extents now."""
         self.check_open()
-        return tenants.update_tenant(self, name, quota_bytes, retention)
+        return tenants.update_tenant(self, name, quota_bytes, retention, by or self.attribution)
 
     def get_tenant(self, name: str) -> TenantInfo:
         self.check_open()
@@ -333,17 +317,17 @@ class TenantKV:
         self.check_open()
         return tenants.list_tenants(self)
 
-    def delete_tenant(self, name: str) -> None:
+    def delete_tenant(self, name: str, *, by: Attribution | None = None) -> None:
         """Crypto-shred a tenant: its keys and index rows go in one transaction, then its bytes."""
         self.check_open()
-        tenants.delete_tenant(self, name)
+        tenants.delete_tenant(self, name, by or self.attribution)
 
-    def rotate_keys(self, name: str) -> int:
+    def rotate_keys(self, name: str, *, by: Attribution | None = None) -> int:
         """New writes of ``name`` use a new data-key version (returned); old ones stay readable."""
         self.check_open()
-        return tenants.rotate_keys(self, name)
+        return tenants.rotate_keys(self, name, by or self.attribution)
 
-    def retire_keys(self, name: str) -> dict[str, Any]:
+    def retire_keys(self, name: str, *, by: Attribution | None = None) -> dict[str, Any]:
         """Re-seal every extent sealed with an old key version under the current one, then
         destroy the old versions that nothing uses any more.
 
@@ -376,7 +360,9 @@ class TenantKV:
                 "retired_versions": sorted(retired),
                 "extents_on_old_keys": remaining,
             }
-            self.audit.append(session, self.audit_event(name, KEYS_RETIRE, name, details=result))
+            self.audit.append(
+                session, (by or self.attribution).event(name, KEYS_RETIRE, name, details=result)
+            )
         self.keyring.forget_versions(tenant_id, retired)
         return result
 

@@ -99,7 +99,7 @@ def _audit_maintenance(kv: TenantKV, now: float) -> None:
                 if any(counters.values()):
                     details: dict[str, object] = {"since": since, "until": until, **counters}
                     kv.audit.append(
-                        session, kv.audit_event(name, USAGE_SUMMARY, name, details=details)
+                        session, kv.attribution.event(name, USAGE_SUMMARY, name, details=details)
                     )
                     chains.append(chain_for(name))
             session.merge(SchemaInfo(name=_SUMMARY_MARK, value=repr(until)))

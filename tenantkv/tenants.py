@@ -18,7 +18,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE
+from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
 from .models import DataKey, Extent, Namespace, Tenant
 from .quota import Evicted, make_room, tenant_bytes, total_quota
@@ -103,6 +103,7 @@ def create_tenant(
     name: str,
     quota_bytes: int | None,
     retention: Mapping[str, Any] | None,
+    by: Attribution,
 ) -> TenantInfo:
     check_tenant_name(name)
     quota = check_quota(kv.default_quota_bytes if quota_bytes is None else quota_bytes)
@@ -133,7 +134,7 @@ def create_tenant(
             info = _info(session, row)
             kv.audit.append(
                 session,
-                kv.audit_event(
+                by.event(
                     name,
                     TENANT_CREATE,
                     name,
@@ -150,6 +151,7 @@ def update_tenant(
     name: str,
     quota_bytes: int | None,
     retention: Mapping[str, Any] | None,
+    by: Attribution,
 ) -> TenantInfo:
     """Change a tenant's quota and/or retention. A smaller quota evicts down to it at once; a
     new retention applies to existing extents from their last use."""
@@ -180,7 +182,7 @@ def update_tenant(
             changes["quota_bytes"] = quota_bytes
         if retention is not None:
             changes["retention"] = dict(info.retention or {})
-        kv.audit.append(session, kv.audit_event(name, TENANT_UPDATE, name, details=changes))
+        kv.audit.append(session, by.event(name, TENANT_UPDATE, name, details=changes))
     kv.discard_evicted(row.id, evicted)
     return info
 
@@ -202,7 +204,7 @@ def list_tenants(kv: TenantKV) -> list[TenantInfo]:
         return [_info(session, row) for row in rows]
 
 
-def delete_tenant(kv: TenantKV, name: str) -> int:
+def delete_tenant(kv: TenantKV, name: str, by: Attribution) -> int:
     """Crypto-shred a tenant: keys and index rows go in one transaction, then the bytes.
 
     Returns the number of extents whose files were removed.
@@ -220,7 +222,7 @@ def delete_tenant(kv: TenantKV, name: str) -> int:
         session.delete(row)  # cascades: extents, blocks, usage
         kv.audit.append(
             session,
-            kv.audit_event(
+            by.event(
                 name,
                 TENANT_DELETE,
                 name,
@@ -236,7 +238,7 @@ def delete_tenant(kv: TenantKV, name: str) -> int:
     return removed
 
 
-def rotate_keys(kv: TenantKV, name: str) -> int:
+def rotate_keys(kv: TenantKV, name: str, by: Attribution) -> int:
     """Start a new data-key version for new writes; return it. Old versions stay readable."""
     with kv.db.write() as session:
         row = _row(session, name, lock=True)
@@ -248,7 +250,7 @@ def rotate_keys(kv: TenantKV, name: str) -> int:
         row.current_key_version = version
         row.updated_at = kv.clock()
         kv.audit.append(
-            session, kv.audit_event(name, KEYS_ROTATE, name, details={"new_version": version})
+            session, by.event(name, KEYS_ROTATE, name, details={"new_version": version})
         )
     return version
 

@@ -175,7 +175,13 @@ def create_token(
     ensure_schema(kv)
     with kv.db.write() as session:
         return insert_token(
-            kv, session, role, tenant, ttl_seconds, actor=kv.actor, actor_role=ROLE_OPERATOR
+            kv,
+            session,
+            role,
+            tenant,
+            ttl_seconds,
+            actor=kv.attribution.actor,
+            actor_role=kv.attribution.role,
         )
 
 
@@ -194,7 +200,13 @@ def ensure_first_operator_token(kv: TenantKV) -> str | None:
         if existing is not None:
             return None
         return insert_token(
-            kv, session, ROLE_OPERATOR, None, None, actor=kv.actor, actor_role=ROLE_OPERATOR
+            kv,
+            session,
+            ROLE_OPERATOR,
+            None,
+            None,
+            actor=kv.attribution.actor,
+            actor_role=kv.attribution.role,
         )
 
 
@@ -239,7 +251,9 @@ def revoke_token(kv: TenantKV, token_id: str) -> bool:
     """Revoke a token by id, as the cache's own process; False if there is no such token."""
     ensure_schema(kv)
     with kv.db.write() as session:
-        return mark_revoked(kv, session, token_id, actor=kv.actor, actor_role=ROLE_OPERATOR)
+        return mark_revoked(
+            kv, session, token_id, actor=kv.attribution.actor, actor_role=kv.attribution.role
+        )
 
 
 def revoke_tenant_tokens(kv: TenantKV, session: Session, tenant: str) -> int:

@@ -1,21 +1,18 @@
-"""Audit attribution: the cache's own audit records, written in the action's transaction,
-name the API caller instead of the server process.
+"""Audit attribution: the records of an API call name the caller, not the server process.
 
-``tenantkv.tenants`` and ``TenantKV.retire_keys`` build their audit events with
-``kv.audit_event(...)`` inside the transaction that makes the change. :class:`CallerView` is a
-view of the cache whose ``audit_event`` fills in the caller's actor (``token:<id>``), role and
-request id, and which delegates everything else to the cache; the server runs those functions
-on it. So each state change has exactly one audit record, committed with the change, and that
-record says who asked.
+TenantKV's tenant methods take an :class:`~tenantkv.audit.Attribution` and write their audit
+record in the transaction that makes the change; the routers pass ``caller.attribution``. So
+each state change has exactly one audit record, committed with the change, and that record says
+who asked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from ..audit import ACCESS_REFUSED, DENIED, SUCCESS, AuditEvent
+from ..audit import ACCESS_REFUSED, DENIED, SUCCESS, Attribution, AuditEvent, Outcome
 from .auth import Principal
 
 if TYPE_CHECKING:
@@ -37,52 +34,20 @@ class Caller:
     def role(self) -> str:
         return self.principal.role
 
+    @property
+    def attribution(self) -> Attribution:
+        return Attribution(self.actor, self.role, self.request_id)
+
     def event(
         self,
         tenant: str | None,
         action: str,
         target: str = "",
         *,
-        outcome: str = SUCCESS,
+        outcome: Outcome = SUCCESS,
         details: Mapping[str, Any] | None = None,
     ) -> AuditEvent:
-        return AuditEvent(
-            actor=self.actor,
-            role=self.role,
-            tenant=tenant,
-            action=action,
-            target=target,
-            outcome=outcome,  # type: ignore[arg-type]
-            request_id=self.request_id,
-            details=dict(details or {}),
-        )
-
-
-class CallerView:
-    """The cache, as seen by one caller: audit events built through it name the caller."""
-
-    def __init__(self, kv: TenantKV, caller: Caller) -> None:
-        self._kv = kv
-        self._caller = caller
-
-    def audit_event(
-        self,
-        tenant: str | None,
-        action: str,
-        target: str = "",
-        *,
-        outcome: str = SUCCESS,
-        details: Mapping[str, Any] | None = None,
-    ) -> AuditEvent:
-        return self._caller.event(tenant, action, target, outcome=outcome, details=details)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._kv, name)
-
-
-def as_caller(kv: TenantKV, caller: Caller) -> TenantKV:
-    """``kv`` with the caller's identity on the audit records its tenant functions write."""
-    return cast("TenantKV", CallerView(kv, caller))
+        return self.attribution.event(tenant, action, target, outcome=outcome, details=details)
 
 
 def audit_refusal(

@@ -1,24 +1,23 @@
 """``/v1/tenants``: lifecycle, quotas and retention, keys, usage, purge.
 
-State changes run TenantKV's own tenant functions on a :class:`~tenantkv.server.caller.CallerView`
-so that their audit records (written in the change's transaction) name the caller.
+State changes call TenantKV's tenant methods with the caller's attribution, so that their audit
+records (written in the change's transaction) name the caller.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from ... import tenants
 from ...audit import ROLE_TENANT_ADMIN, TENANT_DELETE
 from ...errors import InvalidRequestError, TenantNotFoundError
 from ...models import Tenant
 from ...tenants import TenantInfo
 from ..auth import revoke_tenant_tokens
-from ..caller import Caller, as_caller
+from ..caller import Caller
 from ..dependencies import KV, TenantCaller, TenantOperator, refuse, require_roles
 from ..errors import FORBIDDEN, ApiError
 from ..purge import purge
@@ -114,7 +113,9 @@ class PurgeOut(BaseModel):
 def create_tenant(
     body: TenantCreate, kv: KV, caller: Annotated[Caller, Depends(require_roles("operator"))]
 ) -> TenantOut:
-    info = tenants.create_tenant(as_caller(kv, caller), body.name, body.quota_bytes, body.retention)
+    info = kv.create_tenant(
+        body.name, quota_bytes=body.quota_bytes, retention=body.retention, by=caller.attribution
+    )
     return TenantOut.of(info)
 
 
@@ -142,7 +143,9 @@ def update_tenant(
     if body.quota_bytes is not None and caller.role == ROLE_TENANT_ADMIN:
         refuse(request, kv, caller, "role")
         raise ApiError(403, dict(FORBIDDEN))
-    info = tenants.update_tenant(as_caller(kv, caller), name, body.quota_bytes, body.retention)
+    info = kv.update_tenant(
+        name, quota_bytes=body.quota_bytes, retention=body.retention, by=caller.attribution
+    )
     return TenantOut.of(info)
 
 
@@ -160,22 +163,18 @@ def delete_tenant(name: str, kv: KV, caller: TenantOperator) -> Response:
                 name, "token.revoke", name, details={"tenant_tokens": revoked, "for": TENANT_DELETE}
             ),
         )
-    tenants.delete_tenant(as_caller(kv, caller), name)
+    kv.delete_tenant(name, by=caller.attribution)
     return Response(status_code=204)
 
 
 @router.post("/{name}/keys/rotate", response_model=KeyRotation)
 def rotate_keys(name: str, kv: KV, caller: TenantCaller) -> KeyRotation:
-    return KeyRotation(key_version=tenants.rotate_keys(as_caller(kv, caller), name))
+    return KeyRotation(key_version=kv.rotate_keys(name, by=caller.attribution))
 
 
 @router.post("/{name}/keys/retire", response_model=KeyRetirement)
 def retire_keys(name: str, kv: KV, caller: TenantCaller) -> KeyRetirement:
-    from ...cache import TenantKV
-
-    view = as_caller(kv, caller)
-    result: dict[str, Any] = TenantKV.retire_keys(view, name)
-    return KeyRetirement(**result)
+    return KeyRetirement(**kv.retire_keys(name, by=caller.attribution))
 
 
 @router.get("/{name}/usage", response_model=UsageOut)
