@@ -97,36 +97,23 @@ class AuditLog:
         details = _normalise_details(event.details)
         last_seq, last_hash = self._lock_head(session, chain)
         seq = last_seq + 1
-        body = record_body(
-            chain=chain,
-            seq=seq,
-            time_us=time_us,
-            actor=event.actor,
-            role=event.role,
-            tenant=event.tenant,
-            action=event.action,
-            target=event.target,
-            outcome=event.outcome,
-            request_id=event.request_id,
-            details=details,
-            prev_hash=last_hash,
-        )
-        digest = sha256_hex(canonical_json(body))
+        fields: dict[str, Any] = {
+            "chain": chain,
+            "seq": seq,
+            "time_us": time_us,
+            "actor": event.actor,
+            "role": event.role,
+            "tenant": event.tenant,
+            "action": event.action,
+            "target": event.target,
+            "outcome": event.outcome,
+            "request_id": event.request_id,
+            "prev_hash": last_hash,
+        }
+        digest = sha256_hex(canonical_json(record_body(**fields, details=details)))
         session.execute(
             insert(AuditRecordRow).values(
-                chain=chain,
-                seq=seq,
-                time_us=time_us,
-                actor=event.actor,
-                role=event.role,
-                tenant=event.tenant,
-                action=event.action,
-                target=event.target,
-                outcome=event.outcome,
-                request_id=event.request_id,
-                details=canonical_json(details).decode("utf-8"),
-                prev_hash=last_hash,
-                hash=digest,
+                **fields, details=canonical_json(details).decode("utf-8"), hash=digest
             )
         )
         session.execute(
@@ -135,21 +122,7 @@ class AuditLog:
             .values(last_seq=seq, last_hash=digest)
             .execution_options(synchronize_session=False)
         )
-        return AuditRecord(
-            chain=chain,
-            seq=seq,
-            time_us=time_us,
-            actor=event.actor,
-            role=event.role,
-            tenant=event.tenant,
-            action=event.action,
-            target=event.target,
-            outcome=event.outcome,
-            request_id=event.request_id,
-            details=details,
-            prev_hash=last_hash,
-            hash=digest,
-        )
+        return AuditRecord(**fields, details=details, hash=digest)
 
     @staticmethod
     def _lock_head(session: Session, chain: str) -> tuple[int, str]:
