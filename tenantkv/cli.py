@@ -1,5 +1,5 @@
-"""The ``tenantkv`` command line: ``init``, ``info``, ``gc``, ``walkthrough``, ``audit``,
-``serve`` and ``token``."""
+"""The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
+``audit``, ``serve`` and ``token``."""
 
 from __future__ import annotations
 
@@ -147,6 +147,33 @@ def _walkthrough(root: str, num_tokens: int, num_layers: int) -> int:
     return 0 if failures == 0 else 1
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The end-to-end demo (README's main job); needs the ``hf`` extra (transformers)."""
+    try:
+        from .demo import run_demo
+    except ImportError as err:
+        print(f"tenantkv demo: {err}", file=sys.stderr)
+        return 2
+    if args.new_tokens < 1:
+        print("tenantkv demo: --new-tokens must be at least 1", file=sys.stderr)
+        return 2
+    scratch = args.root is None
+    root = Path(args.root or tempfile.mkdtemp(prefix="tenantkv-demo-"))
+    started = time.perf_counter()
+    try:
+        report = run_demo(root, fast=args.fast, new_tokens=args.new_tokens, out=sys.stdout)
+    except FileExistsError as err:
+        print(f"tenantkv demo: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if scratch:
+            shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"({time.perf_counter() - started:.1f} s" + (")" if scratch else f"; cache kept in {root})")
+    )
+    return 0 if report.passed else 1
+
+
 def _cmd_gc(args: argparse.Namespace) -> int:
     if not Path(args.root).exists():
         print(f"no cache at {args.root}", file=sys.stderr)
@@ -165,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tenantkv", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tenantkv {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser(
+        "demo", help="end to end: two tenants, a transformers model, misses, hits, audit"
+    )
+    demo.add_argument(
+        "root", nargs="?", default=None, help="new cache directory to keep (default: a temp dir)"
+    )
+    demo.add_argument("--fast", action="store_true", help="a smaller model and conversation")
+    demo.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
+    demo.set_defaults(handler=_cmd_demo)
 
     init = commands.add_parser("init", help="create a cache directory (index, key file)")
     init.add_argument("root", nargs="?", default=_default_root())
