@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy import Connection, Engine, create_engine, event, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -72,6 +72,13 @@ class Database:
     def read(self) -> Iterator[Session]:
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
             yield session
+
+    @contextlib.contextmanager
+    def read_connection(self) -> Iterator[Connection]:
+        """A Core connection in one read transaction, for hot paths that need no ORM session
+        (a load's plan): its statements see one snapshot and it is rolled back on exit."""
+        with self.engine.connect() as connection, connection.begin():
+            yield connection
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Session]:

@@ -35,6 +35,7 @@ from .layout import KVLayout
 from .load_targets import LoadTarget
 from .loader import ExtentFailure, LoadStream, open_readers
 from .models import Block, DataKey, Extent, Tenant
+from .plan_query import ExtentRow, locate_blocks
 from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
 from .quota import Evicted, make_room
 from .read_plan import PlannedExtent, ReadPlan, group_runs
@@ -526,74 +527,53 @@ class Namespace:
         return target
 
     def _plan(self, keys: list[BlockKey]) -> ReadPlan:
-        """Where every block of ``keys`` lies, with the cipher of each extent; or CacheMissError."""
+        """Where every block of ``keys`` lies, with the cipher of each extent; or CacheMissError.
+
+        Every block must be indexed in this namespace with an unexpired extent, whose key
+        version still exists and whose geometry matches this namespace's layout.
+        """
         located: dict[bytes, tuple[str, int]] = {}
+        extents: dict[str, ExtentRow] = {}
+        identity = self.identity
         now = self._kv.clock()
-        with self._kv.db.read() as session:
-            # Plain column queries, not ORM entities: this is on the path to the first layer.
+        with self._kv.db.read_connection() as connection:
             for start in range(0, len(keys), _QUERY_CHUNK):
                 chunk = keys[start : start + _QUERY_CHUNK]
-                rows = session.execute(
-                    select(Block.block_key, Block.extent_id, Block.slot)
-                    .join(Extent, Extent.id == Block.extent_id)
-                    .where(
-                        Block.namespace_id == self.identity.namespace_id,
-                        Block.block_key.in_(chunk),
-                        Extent.expires_at > now,
-                    )
-                ).all()
-                for block_key, extent_id, slot in rows:
-                    located[block_key] = (extent_id, slot)
-                if len(rows) < len(chunk):
+                found, rows = locate_blocks(
+                    connection,
+                    tenant_id=identity.tenant_id,
+                    namespace_id=identity.namespace_id,
+                    keys=chunk,
+                    now=now,
+                )
+                located.update(found)
+                extents.update(rows)
+                if len(found) < len(chunk):
                     break
-            cached = self._run_from_zero(keys, located)
-            if cached < len(keys):
-                raise CacheMissError(
-                    f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
-                )
-            extents = {
-                row.id: row
-                for row in session.execute(
-                    select(
-                        Extent.id,
-                        Extent.key_version,
-                        Extent.suite,
-                        Extent.salt,
-                        Extent.num_blocks,
-                        Extent.num_layers,
-                        Extent.segment_bytes,
-                    ).where(Extent.id.in_({extent_id for extent_id, _ in located.values()}))
-                )
-            }
-            versions = {row.key_version for row in extents.values()}
-            wrapped: dict[int, bytes] = {
-                version: key
-                for version, key in session.execute(
-                    select(DataKey.version, DataKey.wrapped_key).where(
-                        DataKey.tenant_id == self.identity.tenant_id,
-                        DataKey.version.in_(versions),
-                    )
-                )
-            }
-        planned: dict[str, PlannedExtent] = {}
-        for extent_id, row in extents.items():
-            if row.key_version not in wrapped:
-                raise CacheMissError(f"data key version {row.key_version} is gone")
-            data_key = self._kv.keyring.data_key(
-                self.identity.tenant_id, row.key_version, wrapped[row.key_version]
+        cached = self._run_from_zero(keys, located)
+        if cached < len(keys):
+            raise CacheMissError(
+                f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
             )
-            suite = self._kv.suite_of(row.suite)
-            context = SegmentContext(
-                self.identity.tenant_id, row.key_version, self.identity.namespace_id
-            )
-            geometry = ExtentGeometry(row.num_blocks, row.num_layers, row.segment_bytes, suite)
-            if geometry.num_layers != self.layout.num_layers or geometry.segment_bytes != (
-                BLOCK_TOKENS * self.layout.token_bytes
-            ):
-                raise CacheMissError("an indexed extent does not match this namespace's layout")
-            cipher = ExtentCipher(data_key, row.salt, context, suite)
-            planned[extent_id] = PlannedExtent(extent_id, geometry, cipher)
+        planned = {extent_id: self._planned_extent(row) for extent_id, row in extents.items()}
         return group_runs([(key, planned[located[key][0]], located[key][1]) for key in keys])
+
+    def _planned_extent(self, row: ExtentRow) -> PlannedExtent:
+        """The geometry and cipher of one indexed extent, after checking it fits this namespace."""
+        if row.wrapped_key is None:
+            raise CacheMissError(f"data key version {row.key_version} is gone")
+        geometry = ExtentGeometry(
+            row.num_blocks, row.num_layers, row.segment_bytes, self._kv.suite_of(row.suite)
+        )
+        if geometry.num_layers != self.layout.num_layers or geometry.segment_bytes != (
+            BLOCK_TOKENS * self.layout.token_bytes
+        ):
+            raise CacheMissError("an indexed extent does not match this namespace's layout")
+        tenant_id = self.identity.tenant_id
+        data_key = self._kv.keyring.data_key(tenant_id, row.key_version, row.wrapped_key)
+        context = SegmentContext(tenant_id, row.key_version, self.identity.namespace_id)
+        cipher = ExtentCipher(data_key, row.salt, context, geometry.suite)
+        return PlannedExtent(row.extent_id, geometry, cipher)
 
     def _finish_load(self, stream: LoadStream, extent_ids: list[str], started: float) -> None:
         """After a load: release its extents for eviction, meter it, record the use."""

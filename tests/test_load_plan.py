@@ -1,0 +1,88 @@
+"""A load's read plan: every block must be live, keyed and laid out as this namespace expects.
+
+The plan is one index query (see ``tenantkv/plan_query.py``); these tests change the index
+under a stored prefix and check that the load becomes a miss -- with a positive control that
+the same load succeeds before the change -- and that plans spanning several query chunks and
+extents still load exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import delete, update
+
+import tenantkv
+from tenantkv import CacheMissError, KVLayout, TenantKV
+from tenantkv import namespace as namespace_module
+from tenantkv.models import DataKey, Extent
+from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
+
+MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stored(kv: TenantKV, blocks: int = 2) -> tuple[tenantkv.Namespace, list[int]]:
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(blocks * 64)
+    ns.store(tokens, random_layers(MLA, len(tokens)))
+    assert len(load_all(ns, tokens)) == MLA.num_layers  # positive control
+    return ns, tokens
+
+
+def test_a_retired_key_version_makes_the_load_a_miss(kv: TenantKV) -> None:
+    ns, tokens = _stored(kv)
+    with kv.db.write() as session:
+        session.execute(delete(DataKey))
+    with pytest.raises(CacheMissError, match="data key version"):
+        ns.load(tokens)
+
+
+def test_an_extent_of_another_geometry_is_a_miss(kv: TenantKV) -> None:
+    ns, tokens = _stored(kv)
+    with kv.db.write() as session:
+        session.execute(update(Extent).values(num_layers=MLA.num_layers + 1))
+    with pytest.raises(CacheMissError, match="layout"):
+        ns.load(tokens)
+
+
+def test_an_expired_extent_is_a_miss_before_gc(tmp_path: Path) -> None:
+    clock = _Clock()
+    with tenantkv.open(tmp_path / "cache", durable=False, clock=clock) as kv:
+        ns, tokens = _stored(kv)
+        clock.now += 365 * 86_400.0
+        with pytest.raises(CacheMissError, match="only 0 of 128 tokens"):
+            ns.load(tokens)
+
+
+def test_a_gap_in_the_prefix_is_a_miss(kv: TenantKV) -> None:
+    ns, tokens = _stored(kv, blocks=2)
+    other = tokens[:64] + random_tokens(64, seed=9)
+    with pytest.raises(CacheMissError, match="only 64 of 128 tokens"):
+        ns.load(other)
+
+
+def test_plans_spanning_query_chunks_and_extents_load_exactly(
+    kv: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(namespace_module, "_QUERY_CHUNK", 2)  # 7 blocks: 4 queries
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(7 * 64)
+    layers = random_layers(MLA, len(tokens))
+    ns.store(tokens[: 3 * 64], [prefix_of(layer, 3 * 64) for layer in layers])
+    ns.store(tokens, layers)  # blocks 3..6 in a second extent
+    for got, want in zip(load_all(ns, tokens), layers, strict=True):
+        assert layers_equal(got, want)
+    with pytest.raises(CacheMissError, match="only 384 of 448 tokens"):
+        ns.load(tokens[: 6 * 64] + random_tokens(64, seed=5))
