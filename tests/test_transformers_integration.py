@@ -357,3 +357,78 @@ def test_models_whose_cache_cannot_be_cut_are_refused(tenants: TenantKV) -> None
     )
     with pytest.raises(InvalidRequestError, match="latent attention"):
         PrefixCache(tenants, "acme", deepseek_v2)
+
+
+# ---- streaming restore: layers arrive while the model runs -------------------------------------
+
+
+def test_streamed_restore_generates_the_same_as_full_prefill(tenants: TenantKV, model: Any) -> None:
+    prefixes = PrefixCache(tenants, "acme", model)
+    first = _prompt(260, seed=12)
+    output = _generate(model, first)
+    assert prefixes.save(output.sequences, output.cache) == 256
+    follow_up = torch.cat([output.sequences, _prompt(60, seed=13)], dim=1)
+
+    restored = prefixes.restore(follow_up, streaming=True)
+    assert restored.num_tokens == 256 and restored.cache is not None
+    layers = restored.cache.layers
+    feed = layers[0]._feed
+    assert feed is not None
+    # Nothing handed over yet: the model starts with positions and masks only.
+    assert feed.stream.delivered_layers == 0
+    assert restored.cache.get_seq_length() == 256
+    assert tenants.pinned_extents()  # a running load's extent cannot be evicted
+
+    after_restore = _generate(model, follow_up, cache=restored.cache, new=16)
+    assert torch.equal(after_restore.sequences, _generate(model, follow_up, new=16).sequences)
+    assert feed.stream.closed and feed.stream.delivered_layers == len(layers)
+    assert not tenants.pinned_extents()
+    # The streamed cache is an ordinary cache afterwards: saving it stores the new full block
+    # (272 + 60 + 16 - 1 = 347 cached tokens: blocks 0-4, of which 0-3 were restored).
+    assert prefixes.save(after_restore.sequences, after_restore.cache) == 64
+
+
+def test_a_streamed_restore_that_is_never_used_releases_its_load(tenants: TenantKV) -> None:
+    import gc
+
+    model = _llama()
+    prefixes = PrefixCache(tenants, "acme", model)
+    prompt = _prompt(200, seed=14)
+    output = _generate(model, prompt)
+    prefixes.save(output.sequences, output.cache)
+    restored = prefixes.restore(prompt, streaming=True)
+    assert restored.num_tokens == 192 and restored.cache is not None
+    stream = restored.cache.layers[0]._feed.stream
+    assert tenants.pinned_extents()
+    del restored
+    gc.collect()
+    assert stream.closed
+    assert not tenants.pinned_extents()
+
+
+def test_a_streamed_restore_that_fails_mid_way_raises_and_drops_the_prefix(
+    tenants: TenantKV, cache_root: Path
+) -> None:
+    model = _deepseek()
+    prefixes = PrefixCache(tenants, "acme", model)
+    prompt = _prompt(200, seed=15)
+    output = _generate(model, prompt)
+    prefixes.save(output.sequences, output.cache)
+    (extent,) = [p for p in (cache_root / "blocks").rglob("*") if p.is_file()]
+    data = bytearray(extent.read_bytes())
+    data[-1] ^= 0x01  # the last layer's last segment: layer 0 still opens
+    extent.write_bytes(bytes(data))
+
+    restored = prefixes.restore(prompt, streaming=True)
+    assert restored.num_tokens == 192  # the start of the load succeeded
+    with pytest.raises(tenantkv.LoadError) as failure:
+        _generate(model, prompt, cache=restored.cache)
+    assert isinstance(failure.value, tenantkv.SegmentIntegrityError)
+    assert failure.value.delivered_layers < model.config.num_hidden_layers
+    assert prefixes.lookup(prompt) == 0  # evicted before the error was raised
+    assert tenants.security_events().get("segment_open_failed", 0) == 1
+    assert not tenants.pinned_extents()
+    # the caller's retry without the cache is a plain full prefill
+    retry = prefixes.restore(prompt, streaming=True)
+    assert retry.cache is None
+    assert _generate(model, prompt, cache=retry.cache).sequences.shape[1] == 212

@@ -54,6 +54,7 @@ from ..namespace import Namespace
 from ..prefix import BLOCK_TOKENS
 from ..retention import DEFAULT_KIND
 from ..tokens import as_token_array
+from .streamed_layer import LayerFeed, streamed_cache
 
 logger = logging.getLogger("tenantkv")
 
@@ -249,7 +250,13 @@ class PrefixCache:
         (the model must run the last prompt token to produce the next token's logits)."""
         return max(num_tokens - 1, 0) // BLOCK_TOKENS * BLOCK_TOKENS
 
-    def restore(self, tokens: Any, *, device: str | torch.device | None = None) -> RestoredPrefix:
+    def restore(
+        self,
+        tokens: Any,
+        *,
+        device: str | torch.device | None = None,
+        streaming: bool = False,
+    ) -> RestoredPrefix:
         """Restore the longest cached prefix of ``tokens`` as a cache the model accepts.
 
         The prefix is loaded layer by layer from the encrypted store onto ``device`` (the
@@ -257,15 +264,26 @@ class PrefixCache:
         down to whole 64-token blocks. A miss, or a load that fails (the prefix was evicted
         meanwhile, or its bytes failed to open and were dropped), returns a miss so that the
         model computes the whole prompt; with ``strict=True`` load failures raise.
+
+        With ``streaming=True`` this returns as soon as the load has started: each layer of
+        the returned cache takes its prefix from the load when the model first uses it, so
+        layer i computes while layers i+1, ... are still being read and decrypted (see
+        :mod:`tenantkv.integrations.streamed_layer`). A failure after the start then surfaces
+        as a ``LoadError`` from the forward pass, and the caller recomputes without the cache.
         """
         token_array = as_token_array(self._flat_tokens(tokens))
         length = self.namespace.lookup(token_array[: self._restorable(len(token_array))])
         if length == 0:
             return RestoredPrefix(None, 0)
         target = torch.device(device) if device is not None else self.model.device
-        cache = DynamicCache(config=self.model.config)
         try:
-            with self.namespace.load(token_array[:length], device=target) as stream:
+            stream = self.namespace.load(token_array[:length], device=target)
+            if streaming:
+                feed = LayerFeed(stream, self._cache_from_layer)
+                cache = streamed_cache(self.model.config, feed, self.layout.num_layers)
+                return RestoredPrefix(cache, length)
+            cache = DynamicCache(config=self.model.config)
+            with stream:
                 for index, layer in stream:
                     keys, values = self._cache_from_layer(layer)
                     cache.update(keys, values, index)  # copies out of the loader's buffer
