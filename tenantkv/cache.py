@@ -628,7 +628,7 @@ def open(
     ``workers`` threads (default one per core) seal stores; ``load_threads`` threads (default
     ``max(2, workers)``) read and open the chunks of every load; ``staging_bytes`` (default
     64 MiB) bounds the host memory all loads use for ciphertext in flight, in slots of
-    ``staging_slot_bytes`` (default 4 MiB).
+    ``staging_slot_bytes`` (default 8 MiB).
 
     Quotas reserve capacity: ``capacity_bytes`` (persisted; default the size of the file system
     holding the root) bounds the sum of tenant quotas unless ``allow_overcommit=True``

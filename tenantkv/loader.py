@@ -178,7 +178,13 @@ class LoadStream:
         per_segment = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
         if not target.direct:
             per_segment += self._segment_bytes  # the slot also holds the decrypted chunk
-        self._chunks = split_chunks(plan, ring.slot_bytes // per_segment, workers)
+        max_segments = ring.slot_bytes // per_segment
+        self._chunks = split_chunks(plan, max_segments, workers)
+        # Layer 0 is what the model waits on first. Cut finer, a worker that is ahead takes over
+        # part of the share of one that is delayed (on 2 cores a thread can wait milliseconds to
+        # get the GIL back after a read); later layers keep few large chunks, since every chunk
+        # costs a task, a slot hand-over and a completion of Python bookkeeping.
+        self._first_chunks = split_chunks(plan, max_segments, 2 * workers)
         # Layers being read/opened at once: enough chunks to keep every worker busy, and no
         # more, so that a layer is not slowed by work on layers the caller needs later. Until
         # layer 0 is done it runs alone: the time to the first layer is what the model waits on.
@@ -220,13 +226,14 @@ class LoadStream:
             self._next_layer += 1
 
     def _start_layer(self, layer: int) -> None:
-        state = _LayerState(self._target.new_layer(layer), len(self._chunks))
+        chunks = self._first_chunks if layer == 0 else self._chunks
+        state = _LayerState(self._target.new_layer(layer), len(chunks))
         self._layers[layer] = state
-        if not self._chunks:
+        if not chunks:
             state.done.set()
             return
         self._in_flight += 1
-        for chunk in self._chunks:
+        for chunk in chunks:
             self._outstanding += 1
             future = self._pool.submit(self._process_chunk, layer, chunk, state)
             self._io_futures[future] = layer

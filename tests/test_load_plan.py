@@ -17,6 +17,7 @@ from sqlalchemy import delete, update
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
 from tenantkv import namespace as namespace_module
+from tenantkv.loader import split_chunks
 from tenantkv.models import DataKey, Extent
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 
@@ -86,3 +87,28 @@ def test_plans_spanning_query_chunks_and_extents_load_exactly(
         assert layers_equal(got, want)
     with pytest.raises(CacheMissError, match="only 384 of 448 tokens"):
         ns.load(tokens[: 6 * 64] + random_tokens(64, seed=5))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("max_segments", [1, 3, 7, 100])
+def test_chunks_cover_every_segment_once_in_a_multiple_of_workers(
+    kv: TenantKV, workers: int, max_segments: int
+) -> None:
+    """Layer 0 is cut for twice the workers, later layers for the workers: either way every
+    segment of every run lies in exactly one chunk, no chunk exceeds a slot, and a run with
+    enough segments is cut into a multiple of the workers."""
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(11 * 64)
+    layers = random_layers(MLA, len(tokens))
+    ns.store(tokens[: 4 * 64], [prefix_of(layer, 4 * 64) for layer in layers])
+    ns.store(tokens, layers)
+    plan = ns._plan(ns._keys(tokens))
+    for cut in (workers, 2 * workers):
+        chunks = split_chunks(plan, max_segments, cut)
+        covered = [chunk.position + i for chunk in chunks for i in range(chunk.count)]
+        assert covered == list(range(plan.num_blocks))
+        assert all(1 <= chunk.count <= max_segments for chunk in chunks)
+        for run in plan.runs:
+            pieces = sum(chunk.run is run for chunk in chunks)
+            assert pieces % cut == 0 or pieces == run.count
