@@ -81,6 +81,12 @@ class Database:
             yield connection
 
     @contextlib.contextmanager
+    def write_connection(self) -> Iterator[Connection]:
+        """A Core connection in one write transaction (committed on a clean exit)."""
+        with self._write_engine.connect() as connection, connection.begin():
+            yield connection
+
+    @contextlib.contextmanager
     def write(self) -> Iterator[Session]:
         with Session(self._write_engine, expire_on_commit=False) as session, session.begin():
             yield session

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from .audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
@@ -35,7 +35,7 @@ from .layout import KVLayout
 from .load_targets import LoadTarget
 from .loader import ExtentFailure, LoadStream, open_readers
 from .models import Block, DataKey, Extent, Tenant
-from .plan_query import ExtentRow, locate_blocks
+from .plan_query import ExtentRow, locate_blocks, record_use
 from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
 from .quota import Evicted, make_room
 from .read_plan import PlannedExtent, ReadPlan, group_runs
@@ -586,19 +586,8 @@ class Namespace:
         """Mark extents as used at ``now``: their retention restarts and LRU eviction sees the
         use. Bookkeeping only: never fails a load."""
         try:
-            with self._kv.db.write() as session:
-                retention_text = session.scalar(
-                    select(Tenant.retention).where(Tenant.id == self.identity.tenant_id)
-                )
-                if retention_text is None:
-                    return  # the tenant was deleted meanwhile
-                retention = loads_retention(retention_text)
-                for kind, ttl in retention.items():
-                    session.execute(
-                        update(Extent)
-                        .where(Extent.id.in_(extent_ids), Extent.kind == kind)
-                        .values(last_used_at=now, expires_at=now + ttl)
-                    )
+            with self._kv.db.write_connection() as connection:
+                record_use(connection, self.identity.tenant_id, extent_ids, now)
         except SQLAlchemyError as err:
             logger.warning("could not record extent use: %s", err)
 

@@ -1,4 +1,6 @@
-"""The index query behind a load's read plan: one Core statement, built once per process.
+"""The index statements of a load: its read plan, and the record of its use afterwards.
+
+Both are SQLAlchemy Core statements built once per process.
 
 A load's first layer waits on this query, so it is cheap to run: a single SQLAlchemy Core
 ``select`` (no ORM session or entities) with bound parameters, constructed at import time, so a
@@ -18,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, and_, bindparam, select
+from sqlalchemy import Connection, and_, bindparam, select, update
 
-from .models import Block, DataKey, Extent
+from .models import Block, DataKey, Extent, Tenant
+from .retention import loads as loads_retention
 
 _BLOCKS_WITH_EXTENTS = (
     select(
@@ -103,3 +106,24 @@ def locate_blocks(
                 wrapped_key,
             )
     return located, extents
+
+
+_RETENTION = select(Tenant.retention).where(Tenant.id == bindparam("tenant_id"))
+_TOUCH = (
+    update(Extent)
+    .where(Extent.id.in_(bindparam("ids", expanding=True)), Extent.kind == bindparam("of_kind"))
+    .values(last_used_at=bindparam("used_at"), expires_at=bindparam("until"))
+)
+
+
+def record_use(connection: Connection, tenant_id: bytes, extent_ids: list[str], now: float) -> None:
+    """Mark a tenant's extents as used at ``now``: each one's retention (by its class) restarts
+    and LRU eviction sees the use. Runs after a load, in the background -- but on 2 cores it
+    competes for the interpreter with the next load's first layer, hence Core statements."""
+    retention_text = connection.execute(_RETENTION, {"tenant_id": tenant_id}).scalar()
+    if retention_text is None:
+        return  # the tenant was deleted meanwhile
+    for kind, ttl in loads_retention(retention_text).items():
+        connection.execute(
+            _TOUCH, {"ids": extent_ids, "of_kind": kind, "used_at": now, "until": now + ttl}
+        )
