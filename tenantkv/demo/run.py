@@ -193,7 +193,7 @@ def _audit(kv: TenantKV, root: Path, report: DemoReport, out: TextIO) -> None:
     report.tampered_problems = len(tampered_report.problems)
     print(
         f"    exported acme's chain to {export.name}: {len(report.audit_records)} records "
-        f"({', '.join(report.audit_records)}); offline verification with the public key: "
+        f"({', '.join(report.audit_records)});\n    offline verification with the public key: "
         f"{'OK' if verified.ok else 'INVALID'}",
         file=out,
     )
@@ -302,7 +302,7 @@ def run_demo(root: Path, *, fast: bool = False, new_tokens: int = 16, out: TextI
         )
         print(
             f"    same prompt, hit vs miss: time to first token {_ms(second.ttft_s)} vs "
-            f"{_ms(other.ttft_s)} ({_speedup(second.ttft_s, other.ttft_s)}); the "
+            f"{_ms(other.ttft_s)} ({_speedup(second.ttft_s, other.ttft_s)});\n    the "
             f"{report.compared_tokens} "
             f"generated tokens after the restore are "
             f"{report.identical_tokens}/{report.compared_tokens} identical to full prefill",
