@@ -152,22 +152,52 @@ class Namespace:
         self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
         return hit
 
+    def cached_length(self, tokens: Any) -> int:
+        """Like :meth:`lookup`, but not metered: for a writer deciding what to pass to
+        :meth:`store` (``start=``), not for answering requests. Failures degrade to 0."""
+        self._kv.check_open()
+        keys = self._keys(tokens)
+        if not keys:
+            return 0
+        try:
+            present = self._present_keys(keys, stop_at_gap=True)
+        except SQLAlchemyError as err:
+            return self._degrade("cached_length", err, 0)
+        return self._run_from_zero(keys, present) * BLOCK_TOKENS
+
     # ---- store --------------------------------------------------------------------------------
 
-    def store(self, tokens: Any, layers: Sequence[Any], *, kind: str = DEFAULT_KIND) -> int:
+    def store(
+        self, tokens: Any, layers: Sequence[Any], *, kind: str = DEFAULT_KIND, start: int = 0
+    ) -> int:
         """Store the full 64-token blocks of ``tokens`` that are not cached yet.
 
-        ``layers`` holds one entry per model layer covering every token of ``tokens``: a tensor
-        ``[T, kv_lora_rank + rope_dim]`` (MLA) or a pair ``(k, v)`` of ``[T, heads, head_dim]``
-        (MHA). ``kind`` is the retention class (the tenant's, e.g. ``"agent"`` or ``"chat"``).
-        Returns the number of tokens newly stored. Input is validated before anything is
-        written; a storage or index failure stores nothing (and returns 0 unless strict). A
-        store that would exceed the tenant's quota first evicts the tenant's least recently
-        used extents; one that cannot fit raises QuotaExceededError.
+        ``layers`` holds one entry per model layer covering the tokens ``tokens[start:]``: a
+        tensor ``[T - start, kv_lora_rank + rope_dim]`` (MLA) or a pair ``(k, v)`` of
+        ``[T - start, heads, head_dim]`` (MHA). ``start`` (a multiple of 64, default 0) lets a
+        caller that knows the first ``start`` tokens are cached (:meth:`cached_length`) pass
+        only the rest, so a long conversation's next turn copies only its new tokens; blocks
+        before ``start`` that turn out not to be cached are skipped (their keys are known,
+        their KV is not), and a later store from 0 fills them. ``kind`` is the retention class
+        (the tenant's, e.g. ``"agent"`` or ``"chat"``). Returns the number of tokens newly
+        stored. Input is validated before anything is written; a storage or index failure
+        stores nothing (and returns 0 unless strict). A store that would exceed the tenant's
+        quota first evicts the tenant's least recently used extents; one that cannot fit
+        raises QuotaExceededError.
         """
         self._kv.check_open()
         token_array = as_token_array(tokens)
-        rows = self.layout.validate_layers(layers, len(token_array))
+        if (
+            isinstance(start, bool)
+            or not isinstance(start, int)
+            or not 0 <= start <= len(token_array)
+            or start % BLOCK_TOKENS
+        ):
+            raise InvalidRequestError(
+                f"start must be a multiple of {BLOCK_TOKENS} within the {len(token_array)} "
+                f"tokens, got {start!r}"
+            )
+        rows = self.layout.validate_layers(layers, len(token_array) - start)
         check_kind(kind)
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
         try:
@@ -180,11 +210,11 @@ class Namespace:
             if not keys:
                 return 0
             present = self._present_keys(keys, stop_at_gap=False)
-            first_missing = self._run_from_zero(keys, present)
+            first_missing = max(self._run_from_zero(keys, present), start // BLOCK_TOKENS)
             positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
             if not positions:
                 return 0
-            return self._store_blocks(keys, positions, rows, kind, settings)
+            return self._store_blocks(keys, positions, rows, start // BLOCK_TOKENS, kind, settings)
         except (SQLAlchemyError, StorageError) as err:
             return self._degrade("store", err, 0)
 
@@ -214,6 +244,7 @@ class Namespace:
         keys: list[BlockKey],
         positions: list[int],
         rows: list[torch.Tensor],
+        first_row_block: int,
         kind: str,
         settings: tuple[int, bytes, int, dict[str, float]],
     ) -> int:
@@ -239,7 +270,7 @@ class Namespace:
         salt = new_salt()
         context = SegmentContext(self.identity.tenant_id, key_version, self.identity.namespace_id)
         cipher = ExtentCipher(data_key, salt, context, suite)
-        extent_id = self._write_extent(geometry, cipher, keys, positions, rows)
+        extent_id = self._write_extent(geometry, cipher, keys, positions, rows, first_row_block)
         try:
             inserted, evicted = self._index_extent(
                 extent_id, geometry, key_version, salt, keys, positions, kind, retention[kind]
@@ -267,18 +298,24 @@ class Namespace:
         keys: list[BlockKey],
         positions: list[int],
         rows: torch.Tensor,
+        first_row_block: int,
     ) -> None:
-        """Worker: seal one layer's new segments into this thread's buffer and write them."""
+        """Worker: seal one layer's new segments into this thread's buffer and write them.
+
+        ``rows`` starts at block ``first_row_block`` of the prefix (see ``store(start=)``).
+        """
         sealed = geometry.sealed_bytes
         plain = geometry.segment_bytes
         out = thread_buffer(geometry.layer_stride)
         source = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
         for slot, position in enumerate(positions):
+            row_block = position - first_row_block
+            assert row_block >= 0, "a stored block lies before the rows the caller passed"
             cipher.seal_into(
                 slot,
                 layer,
                 keys[position],
-                source[position * plain : (position + 1) * plain],
+                source[row_block * plain : (row_block + 1) * plain],
                 out[slot * sealed : (slot + 1) * sealed],
             )
         writer.write_at(geometry.offset(layer, 0), out)
@@ -290,6 +327,7 @@ class Namespace:
         keys: list[BlockKey],
         positions: list[int],
         rows: list[torch.Tensor],
+        first_row_block: int,
     ) -> str:
         """Seal and write layers on the worker pool, a bounded window at a time; then commit.
 
@@ -317,6 +355,7 @@ class Namespace:
                             keys,
                             positions,
                             rows[layer],
+                            first_row_block,
                         )
                     )
                 for future in wait_futures(pending).done:

@@ -290,7 +290,17 @@ def test_saving_stores_only_new_blocks(tenants: TenantKV) -> None:
     assert prefixes.save(output.sequences, output.cache) == 192
     assert prefixes.save(output.sequences, output.cache) == 0
     longer = _generate(model, output.sequences, new=80)
+    passed: list[tuple[int, int]] = []
+    store = prefixes.namespace.store
+
+    def spy(tokens: Any, layers: Any, **kwargs: Any) -> int:
+        passed.append((kwargs["start"], layers[0][0].shape[0]))
+        return store(tokens, layers, **kwargs)
+
+    prefixes.namespace.store = spy  # type: ignore[method-assign]
     assert prefixes.save(longer.sequences, longer.cache) == 64  # 200 + 12 + 80 - 1 = 291
+    # only the 64 rows after the cached 192 tokens were copied out of the model's cache
+    assert passed == [(192, 64)]
     assert prefixes.save(prompt[:, :63], _generate(model, prompt[:, :63], new=1).cache) == 0
 
 

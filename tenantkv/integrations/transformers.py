@@ -202,8 +202,13 @@ class PrefixCache:
         usable = cached // BLOCK_TOKENS * BLOCK_TOKENS
         if usable == 0:
             return 0
-        rows = [self._layer_from_cache(keys, values, usable) for keys, values in layers]
-        return self.namespace.store(token_array[:usable], rows, kind=kind)
+        # Copy (and move off the device) only the tokens after the already cached prefix: a
+        # long conversation's next turn then costs its new tokens, not the whole prefix.
+        start = self.namespace.cached_length(token_array[:usable])
+        if start == usable:
+            return 0
+        rows = [self._layer_from_cache(keys, values, start, usable) for keys, values in layers]
+        return self.namespace.store(token_array[:usable], rows, kind=kind, start=start)
 
     def _cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not isinstance(cache, Cache):
@@ -229,13 +234,18 @@ class PrefixCache:
             pairs.append((keys, values))
         return pairs
 
-    def _layer_from_cache(self, keys: torch.Tensor, values: torch.Tensor, count: int) -> Layer:
-        """One layer of the first ``count`` tokens, shaped as :meth:`Namespace.store` takes it."""
+    def _layer_from_cache(
+        self, keys: torch.Tensor, values: torch.Tensor, start: int, stop: int
+    ) -> Layer:
+        """One layer of tokens ``start .. stop - 1``, shaped as :meth:`Namespace.store` takes it."""
         if self.layout.kind == "mla":
             # keys [1, 1, T, kv_lora_rank] (c_KV), values [1, 1, T, rope_dim] (k_rot)
-            return torch.cat((keys[0, 0, :count], values[0, 0, :count]), dim=-1)
+            return torch.cat((keys[0, 0, start:stop], values[0, 0, start:stop]), dim=-1)
         # keys / values [1, H, T, D] -> [T, H, D]
-        return keys[0, :, :count].transpose(0, 1), values[0, :, :count].transpose(0, 1)
+        return (
+            keys[0, :, start:stop].transpose(0, 1),
+            values[0, :, start:stop].transpose(0, 1),
+        )
 
     # ---- restore ------------------------------------------------------------------------------
 
