@@ -442,3 +442,29 @@ def test_a_streamed_restore_that_fails_mid_way_raises_and_drops_the_prefix(
     retry = prefixes.restore(prompt, streaming=True)
     assert retry.cache is None
     assert _generate(model, prompt, cache=retry.cache).sequences.shape[1] == 212
+
+
+def test_streamed_layers_arrive_in_order_and_later_layers_repeat_a_failure(
+    tenants: TenantKV,
+) -> None:
+    model = _llama(num_hidden_layers=3)
+    prefixes = PrefixCache(tenants, "acme", model)
+    prompt = _prompt(200, seed=16)
+    output = _generate(model, prompt)
+    prefixes.save(output.sequences, output.cache)
+
+    restored = prefixes.restore(prompt, streaming=True)
+    assert restored.cache is not None
+    with pytest.raises(InvalidRequestError, match="in order"):
+        _ = restored.cache.layers[1].keys  # layer 1 before layer 0
+    keys = restored.cache.layers[0].keys  # a reader of keys receives the restored tokens
+    assert keys is not None and keys.shape[-2] == 192
+    assert restored.cache.layers[0]._feed is None  # an arrived layer lets go of the load
+    feed = restored.cache.layers[1]._feed
+    assert feed is not None
+    feed.close()  # the load ends before layers 1 and 2 arrive
+    with pytest.raises(tenantkv.CacheClosedError):
+        _ = restored.cache.layers[1].keys
+    with pytest.raises(tenantkv.CacheClosedError):  # the same error, not an ordering complaint
+        _ = restored.cache.layers[2].keys
+    assert not tenants.pinned_extents()

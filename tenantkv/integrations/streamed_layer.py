@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..errors import CacheClosedError
+from ..errors import CacheClosedError, InvalidRequestError
 from ..layout import Layer
 from ..loader import LoadStream
 
@@ -47,13 +47,13 @@ class LayerFeed:
     def take(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index`` as (keys, values); layers are taken in order (the model's order)."""
         with self._lock:
+            if self._error is not None:
+                raise self._error  # the same failure for every layer that can no longer arrive
             if index != self._next:
-                raise RuntimeError(
+                raise InvalidRequestError(
                     f"restored layers are taken in order: layer {index} asked for before "
                     f"layer {self._next}"
                 )
-            if self._error is not None:
-                raise self._error  # the same failure for every layer that can no longer arrive
             try:
                 received, layer = next(self._layers)
             except StopIteration:
