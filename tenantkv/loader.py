@@ -2,21 +2,34 @@
 
 ::
 
-    loader threads: take a staging-ring slot ─► read a chunk of ciphertext into it (one range read)
-                    ─► decrypt_into the layer's destination (or into the slot, then copy: MHA
-                       out=, and CUDA on the load's stream) ─► give the slot back
+    worker tasks (one per core, on the cache's loader pool), each with one staging-ring slot:
+        take the next chunk in layer order ─► read its ciphertext into the slot (one range read)
+        ─► decrypt_into the layer's destination (or into the slot, then copy: MHA out=, and
+           CUDA on the load's stream) ─► count it done; after a layer's last chunk, wake the
+           caller if it waits for that layer ─► take the next chunk
 
-A layer is split into equal chunks of consecutive segments that fit one staging slot, and the
-chunks of layers ``l .. l+window`` are spread over the loader threads: while one thread opens a
-chunk of layer ``l``, another is already reading layer ``l+1``, and the caller consumes earlier
-layers. The ring's fixed size gives back-pressure across every concurrent load. (Handing each
-chunk from dedicated reader threads to separate decrypt workers was measured ~10% slower on the
-2-core development machines -- one extra thread hand-off per chunk -- so a thread that read a
-chunk also opens it; more loader threads than cores keep cores busy while a read waits on
-storage.) A layer is
-handed over only after every one of its segments opened. On CUDA each layer completes with an
-event on the load's own stream, and ``wait_for_layer`` makes the caller's current stream wait on
-it without blocking the host on GPU work.
+A layer is split into equal chunks of consecutive segments that fit one staging slot. A load runs
+``workers`` tasks that pull chunks from the load's own sequence (layer 0, then 1, ...), so while
+one task opens a chunk of layer ``l``, another is already reading layer ``l+1``, and the caller
+consumes earlier layers. A task keeps its slot from chunk to chunk and takes its next chunk in the
+same critical section that counts the last one done: per chunk there is one lock round trip and
+no pool task, future or callback. (Per-chunk pool tasks cost ~80 us of Python each, and the
+interpreter is what limits loads on the 2-core development machines, where decryption barely
+scales to a second thread; handing chunks from reader threads to separate decrypt workers was
+also measured slower.) The caller is woken once per layer, and only when it waits for that one.
+
+Layer 0 runs alone, cut in twice as many chunks (the caller waits on it first; a task that is
+ahead takes over part of a delayed one's share); later layers stay within ``window`` layers of
+what the caller has consumed (``wait_for_layer(i)`` always loads up to ``i``). A task leaves when
+it may take nothing more, and whoever makes a chunk takeable again (the caller consuming a layer,
+layer 0 completing) starts tasks up to ``workers`` again. When other tasks (another load's, the
+cache's bookkeeping) wait for the pool's threads, a task queues itself behind them after its
+chunk, so concurrent loads share the pool chunk by chunk. The staging ring's fixed size gives
+back-pressure across every concurrent load.
+
+A layer is handed over only after every one of its segments opened. On CUDA each layer completes
+with an event on the load's own stream, and ``wait_for_layer`` makes the caller's current stream
+wait on it without blocking the host on GPU work.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from .errors import CacheClosedError, InvalidRequestError, LoadError, SegmentInt
 from .extent_format import HEADER_BYTES
 from .layout import KVLayout, Layer
 from .load_targets import LayerOutput, LoadTarget
+from .prefix import BlockKey
 from .read_plan import ReadPlan, Run
 from .staging import Slot, StagingRing
 from .storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
@@ -129,15 +143,14 @@ def split_chunks(plan: ReadPlan, max_segments: int, workers: int = 1) -> list[Ch
     return chunks
 
 
-class _LayerState:
-    __slots__ = ("done", "error", "event", "output", "remaining")
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """A chunk with what opening it needs in every layer, computed once per load."""
 
-    def __init__(self, output: LayerOutput, chunks: int) -> None:
-        self.output = output
-        self.remaining = chunks
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.event: Any = None  # torch.cuda.Event on CUDA targets
+    chunk: Chunk
+    keys: tuple[BlockKey, ...]  # the block keys of its segments
+    size: int  # bytes of ciphertext
+    starts: tuple[int, ...]  # destination byte offset of each segment (direct targets)
 
 
 class LoadStream:
@@ -179,121 +192,258 @@ class LoadStream:
         if not target.direct:
             per_segment += self._segment_bytes  # the slot also holds the decrypted chunk
         max_segments = ring.slot_bytes // per_segment
-        self._chunks = split_chunks(plan, max_segments, workers)
         # Layer 0 is what the model waits on first. Cut finer, a worker that is ahead takes over
         # part of the share of one that is delayed (on 2 cores a thread can wait milliseconds to
         # get the GIL back after a read); later layers keep few large chunks, since every chunk
-        # costs a task, a slot hand-over and a completion of Python bookkeeping.
-        self._first_chunks = split_chunks(plan, max_segments, 2 * workers)
-        # Layers being read/opened at once: enough chunks to keep every worker busy, and no
-        # more, so that a layer is not slowed by work on layers the caller needs later. Until
-        # layer 0 is done it runs alone: the time to the first layer is what the model waits on.
-        self._max_in_flight = max(2, -(-workers // len(self._chunks)) + 1) if self._chunks else 1
-        self._in_flight = 0
-        self._first_done = False
+        # costs a read, a lock round trip and Python bookkeeping.
+        self._first_work = self._prepare(split_chunks(plan, max_segments, 2 * workers))
+        self._work = self._prepare(split_chunks(plan, max_segments, workers))
+        self._num_items = (
+            len(self._first_work) + (self.num_layers - 1) * len(self._work) if self._work else 0
+        )
+        self._workers = max(1, workers)
         self._stream: Any = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        # Re-entrant: a future that is already done runs its callback (which takes the lock)
-        # inside add_done_callback, and workers schedule new layers from _chunk_finished.
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a layer completed, failed or closed
         self._cancel = threading.Event()
-        self._layers: dict[int, _LayerState] = {}
-        self._io_futures: dict[Future[None], int] = {}
-        self._outstanding = 0
-        self._next_layer = 0
+        # Per layer: chunks still to open, the destination, the CUDA event (all under _lock).
+        self._remaining = [len(self._first_work)] + [len(self._work)] * (self.num_layers - 1)
+        self._outputs: list[LayerOutput | None] = [None] * self.num_layers
+        self._events: list[Any] = [None] * self.num_layers
+        self._waiting_for = -1  # the layer the caller is blocked on, if any
+        self._next_item = 0  # the next chunk to hand to a worker, in layer order
+        self._demanded = -1  # the caller asked for this layer: load up to it whatever the window
         self._released = 0  # layers before this were handed over by iteration and let go
-        self._handed: set[int] = set()
-        self._broken: ExtentFailure | None = None  # first failure: schedule nothing more
-        self._failure_handled = threading.Event()  # set once _broken was evicted and recorded
+        self._handed = [False] * self.num_layers
+        self._running = 0  # worker tasks queued or running
+        self._busy = 0  # chunks taken by a worker and not yet finished
+        self._tasks: list[Future[None]] = []
+        self._broken: ExtentFailure | None = None  # first failure: take nothing more
+        self._failure_handled = False  # set once _broken was evicted and recorded
         self._failed: LoadError | None = None  # the error raised to the caller
+        self._stopped = False  # closed, or the pool shut down: take nothing more
         self._closed = False
         with self._lock:
-            self._schedule()
+            if self._num_items == 0:
+                self._outputs = [self._target.new_layer(i) for i in range(self.num_layers)]
+            self._start_workers()
+
+    def _prepare(self, chunks: list[Chunk]) -> list[_Work]:
+        token_bytes = self.layout.token_bytes
+        rows = self._target.block_rows
+        work: list[_Work] = []
+        for chunk in chunks:
+            positions = range(chunk.position, chunk.position + chunk.count)
+            starts = tuple(rows[p] * token_bytes for p in positions) if self._target.direct else ()
+            keys = chunk.run.block_keys[chunk.first : chunk.first + chunk.count]
+            size = chunk.count * chunk.run.extent.geometry.sealed_bytes
+            work.append(_Work(chunk, keys, size, starts))
+        return work
 
     # ---- scheduling (called with self._lock held) ----------------------------------------------
 
-    def _schedule(self, demanded: int = -1) -> None:
-        """Start layers while fewer than ``_max_in_flight`` are in progress and the next one is
-        within ``window`` layers of what the caller has consumed; always up to ``demanded``."""
-        while self._next_layer < self.num_layers and self._broken is None and not self._closed:
-            ahead_ok = self._next_layer < self._released + self._window
-            limit = self._max_in_flight if self._first_done else 1
-            if self._next_layer > demanded and not (ahead_ok and self._in_flight < limit):
-                break
-            self._start_layer(self._next_layer)
-            self._next_layer += 1
+    def _next_layer(self) -> int:
+        """The layer of the next chunk to take, or -1 while none may be taken."""
+        item = self._next_item
+        if item >= self._num_items or self._stopped:
+            return -1
+        first = len(self._first_work)
+        layer = 0 if item < first else 1 + (item - first) // len(self._work)
+        if layer > self._demanded:
+            if self._broken is not None:
+                return -1  # after a failure, only what the caller already asked for
+            if layer > 0 and self._remaining[0]:
+                return -1  # until layer 0 is done it runs alone: the caller waits on it first
+            if layer >= self._released + self._window:
+                return -1  # far enough ahead of the caller
+        return layer
 
-    def _start_layer(self, layer: int) -> None:
-        chunks = self._first_chunks if layer == 0 else self._chunks
-        state = _LayerState(self._target.new_layer(layer), len(chunks))
-        self._layers[layer] = state
-        if not chunks:
-            state.done.set()
+    def _take(self) -> tuple[int, _Work] | None:
+        layer = self._next_layer()
+        if layer < 0:
+            return None
+        item = self._next_item
+        self._next_item = item + 1
+        self._busy += 1
+        if self._outputs[layer] is None:
+            self._outputs[layer] = self._target.new_layer(layer)
+        if layer == 0:
+            return 0, self._first_work[item]
+        return layer, self._work[(item - len(self._first_work)) % len(self._work)]
+
+    def _start_workers(self) -> None:
+        """Queue worker tasks until ``workers`` are running, if there are chunks to take."""
+        if self._running >= self._workers or self._next_layer() < 0:
             return
-        self._in_flight += 1
-        for chunk in chunks:
-            self._outstanding += 1
-            future = self._pool.submit(self._process_chunk, layer, chunk, state)
-            self._io_futures[future] = layer
-            future.add_done_callback(self._forget_io_future)
+        self._tasks = [task for task in self._tasks if not task.done()]
+        while self._running < self._workers and self._submit_worker():
+            self._running += 1
 
-    def _forget_io_future(self, future: Future[None]) -> None:
-        with self._lock:
-            self._io_futures.pop(future, None)
-
-    # ---- pipeline stages (worker threads) ------------------------------------------------------
-
-    def _process_chunk(self, layer: int, chunk: Chunk, state: _LayerState) -> None:
-        """Loader thread: take a staging slot, read the chunk's ciphertext, open it into the
-        layer's destination, give the slot back."""
-        slot = self._ring.acquire(self._cancel)
-        if slot is None:
-            self._chunk_finished(layer, state, _Cancelled())
-            return
-        extent = chunk.run.extent
-        error: BaseException | None = None
+    def _submit_worker(self) -> bool:
         try:
-            size = chunk.count * extent.geometry.sealed_bytes
+            self._tasks.append(self._pool.submit(self._run_worker))
+        except RuntimeError:  # the cache's pools were shut down under us
+            self._stop()
+            return False
+        return True
+
+    def _stop(self) -> None:
+        self._stopped = True
+        self._cancel.set()
+        self._changed.notify_all()
+
+    def _backlog(self) -> bool:
+        """Whether other tasks wait for a loader thread (then a worker lets them go first)."""
+        queue = getattr(self._pool, "_work_queue", None)  # ThreadPoolExecutor's task queue
+        return queue is not None and not queue.empty()
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def _run_worker(self) -> None:
+        """A worker task: take chunks in layer order and open them, keeping one staging slot,
+        until none may be taken now (the window is full, or the stream done, broken or closed).
+        When other tasks wait for the pool's threads, it queues itself behind them instead."""
+        slot: Slot | None = None
+        layer = 0
+        try:
+            with self._lock:
+                taken = self._take()
+                if taken is None:
+                    self._leave(None)
+                    return
+            while True:
+                layer, work = taken
+                if slot is None:
+                    slot = self._ring.acquire(self._cancel)
+                error = self._open_chunk(layer, work, slot)
+                failure = None
+                with self._lock:
+                    self._busy -= 1
+                    if error is None:
+                        self._chunk_done(layer)
+                    else:
+                        failure = self._record_error(error)
+                    if self._broken is not None:
+                        self._changed.notify_all()  # a waiter may wait for the last chunk
+                    if failure is None:
+                        taken = self._take_next(slot)
+                        if taken is None:
+                            return
+                if failure is not None:
+                    self._handle_failure(failure)
+                    with self._lock:
+                        taken = self._take_next(slot)
+                        if taken is None:
+                            return
+        except BaseException as err:  # pragma: no cover - a bug: break the stream, never hang it
+            with self._lock:
+                if self._broken is None:
+                    cause = err if isinstance(err, Exception) else RuntimeError(repr(err))
+                    self._broken = ExtentFailure("?", layer, cause, integrity=False)
+                self._failure_handled = True
+                self._leave(slot)
+            raise
+
+    def _take_next(self, slot: Slot | None) -> tuple[int, _Work] | None:
+        """The worker's next chunk; or ``None`` once it has left (under the lock).
+
+        A worker leaves in the same critical section in which it finds nothing to take, so
+        whoever later makes a chunk takeable sees it gone and starts another.
+        """
+        if self._backlog() and self._next_layer() >= 0:
+            # Others wait for a loader thread: let them go first, and queue behind them.
+            if slot is not None:
+                self._ring.release(slot)
+            if not self._submit_worker():
+                self._running -= 1
+            return None
+        taken = self._take()
+        if taken is None:
+            self._leave(slot)
+        return taken
+
+    def _leave(self, slot: Slot | None) -> None:
+        """A worker task ends: give its slot back (under the lock)."""
+        if slot is not None:
+            self._ring.release(slot)
+        self._running -= 1
+        if self._stopped or self._broken is not None:
+            self._changed.notify_all()
+
+    def _handle_failure(self, failure: ExtentFailure) -> None:
+        """Evict and record at detection, even if the caller never reaches this layer, and
+        before any waiter can see the error (a caller's next lookup must already miss)."""
+        try:
+            self._on_failure(failure)
+        finally:
+            with self._lock:
+                self._failure_handled = True
+                self._changed.notify_all()
+
+    def _record_error(self, error: BaseException) -> ExtentFailure | None:
+        """The first failure breaks the stream and is returned to be handled (under the lock)."""
+        if isinstance(error, _Cancelled) or self._broken is not None:
+            return None
+        assert isinstance(error, ExtentFailure), "errors are classified before they are recorded"
+        self._broken = error
+        return error
+
+    def _chunk_done(self, layer: int) -> None:
+        """One chunk of ``layer`` is open; the layer is complete after its last (under the lock)."""
+        remaining = self._remaining[layer] - 1
+        self._remaining[layer] = remaining
+        if remaining:
+            return
+        if self._stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+            self._events[layer] = event
+        if layer == self._waiting_for:
+            self._changed.notify_all()
+        if layer == 0:
+            self._start_workers()  # layer 0 ran alone; now keep every worker busy
+
+    def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
+        """Read one chunk's ciphertext into ``slot`` and open it into the layer's destination."""
+        if slot is None or self._cancel.is_set():
+            return _Cancelled()
+        chunk = work.chunk
+        extent = chunk.run.extent
+        try:
             self._readers[extent.extent_id].readinto(
-                extent.geometry.offset(layer, chunk.slot), [slot.view[:size]]
+                extent.geometry.offset(layer, chunk.slot), [slot.view[: work.size]]
             )
             if self._cancel.is_set():
-                raise _Cancelled()
-            self._open_into_destination(layer, chunk, state.output, slot)
+                return _Cancelled()
+            output = self._outputs[layer]
+            assert output is not None, "a layer's destination exists once a chunk is taken"
+            self._open_into_destination(layer, work, output, slot)
         except BaseException as err:
-            error = self._classify(extent.extent_id, layer, err)
-        finally:
-            self._ring.release(slot)
-        self._chunk_finished(layer, state, error)
+            return self._classify(extent.extent_id, layer, err)
+        return None
 
     def _open_into_destination(
-        self, layer: int, chunk: Chunk, output: LayerOutput, slot: Slot
+        self, layer: int, work: _Work, output: LayerOutput, slot: Slot
     ) -> None:
+        chunk = work.chunk
         extent = chunk.run.extent
-        sealed = extent.geometry.sealed_bytes
         segment = self._segment_bytes
-        token_bytes = self.layout.token_bytes
-        keys = chunk.run.block_keys
-        rows = self._target.block_rows
-        chunk_keys = keys[chunk.first : chunk.first + chunk.count]
-        ciphertext = slot.view[: chunk.count * sealed]
+        ciphertext = slot.view[: work.size]
         if output.bytes is not None and self._target.direct:
             out = output.bytes
-            starts = [
-                rows[p] * token_bytes for p in range(chunk.position, chunk.position + chunk.count)
-            ]
-            outs = [out[start : start + segment] for start in starts]
-            extent.cipher.open_many_into(chunk.slot, layer, chunk_keys, ciphertext, outs)
+            outs = [out[start : start + segment] for start in work.starts]
+            extent.cipher.open_many_into(chunk.slot, layer, work.keys, ciphertext, outs)
             return
-        plain_at = chunk.count * sealed
+        plain_at = work.size
         outs = [
             slot.view[plain_at + j * segment : plain_at + (j + 1) * segment]
             for j in range(chunk.count)
         ]
-        extent.cipher.open_many_into(chunk.slot, layer, chunk_keys, ciphertext, outs)
-        plain = slot.tensor[plain_at : plain_at + chunk.count * segment].view(-1, token_bytes)
+        extent.cipher.open_many_into(chunk.slot, layer, work.keys, ciphertext, outs)
+        plain = slot.tensor[plain_at : plain_at + chunk.count * segment]
+        plain = plain.view(-1, self.layout.token_bytes)
         if self._stream is None:
             self._target.place(output, chunk.position, plain)
             return
@@ -309,40 +459,11 @@ class LoadStream:
             return err
         if isinstance(err, SealOpenError | ShortReadError | ExtentNotFoundError):
             return ExtentFailure(extent_id, layer, err, integrity=True)
-        if isinstance(err, StorageError):
-            return ExtentFailure(extent_id, layer, err, integrity=False)
         if isinstance(err, RuntimeError) and "shutdown" in str(err):
             return _Cancelled()  # the cache's pools were shut down under us
-        return err
-
-    def _chunk_finished(self, layer: int, state: _LayerState, error: BaseException | None) -> None:
-        first_failure: ExtentFailure | None = None
-        with self._lock:
-            state.remaining -= 1
-            if error is not None and state.error is None:
-                state.error = error
-            if isinstance(error, ExtentFailure) and self._broken is None:
-                self._broken = first_failure = error
-            layer_done = state.remaining == 0
-            if layer_done:
-                self._in_flight -= 1
-                self._first_done = True
-                self._schedule()
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._idle.notify_all()
-        if first_failure is not None:
-            # Evict and record at detection, even if the caller never reaches this layer, and
-            # before any waiter can see the error (a caller's next lookup must already miss).
-            try:
-                self._on_failure(first_failure)
-            finally:
-                self._failure_handled.set()
-        if layer_done:
-            if state.error is None and self._stream is not None:
-                state.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                state.event.record(self._stream)
-            state.done.set()
+        if isinstance(err, Exception):  # StorageError (EMFILE, EIO, ...), or a bug
+            return ExtentFailure(extent_id, layer, err, integrity=False)
+        return _Cancelled()  # KeyboardInterrupt and the like: stop, as if closed
 
     # ---- consumer side -------------------------------------------------------------------------
 
@@ -350,6 +471,11 @@ class LoadStream:
         """Block until layer ``index`` has been read and opened; return it."""
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} is out of range (0..{self.num_layers - 1})")
+        return self._wait(index, release=False)
+
+    def _wait(self, index: int, *, release: bool) -> Layer:
+        """Wait for layer ``index`` and hand it over; with ``release``, forget it after."""
+        broken: ExtentFailure | None = None
         with self._lock:
             if self._failed is not None:
                 raise self._failed
@@ -359,33 +485,45 @@ class LoadStream:
                 raise InvalidRequestError(
                     f"layer {index} was already handed over by iteration and released"
                 )
-            self._schedule(demanded=index)
-            state = self._layers.get(index)
-            broken = self._broken
-        if state is None:  # never scheduled: an earlier layer failed
-            assert broken is not None, "an unscheduled layer implies a failed stream"
-            self._failure_handled.wait()
+            if index > self._demanded:
+                self._demanded = index
+                self._start_workers()
+            while self._remaining[index]:
+                if self._failed is not None:
+                    raise self._failed
+                if self._stopped:
+                    raise CacheClosedError("the load stream was closed while waiting")
+                if (
+                    self._broken is not None
+                    and self._failure_handled
+                    and self._busy == 0
+                    and self._next_layer() < 0
+                ):
+                    broken = self._broken  # every chunk taken has finished: nothing more comes
+                    break
+                self._waiting_for = index
+                self._changed.wait()
+                self._waiting_for = -1
+            if broken is None:
+                output = self._outputs[index]
+                event = self._events[index]
+                self._handed[index] = True
+                if release:
+                    # Drop our reference so the caller alone decides the layer's lifetime; the
+                    # allocator then reuses its memory for the layers that follow.
+                    self._outputs[index] = None
+                    self._events[index] = None
+                    self._released = index + 1
+                    self._start_workers()
+        if broken is not None:
             raise self._fail(broken)
-        state.done.wait()
-        if state.error is not None:
-            if isinstance(state.error, ExtentFailure):
-                # Another chunk may have completed the layer while the failure is still being
-                # handled; the caller must not see the error before the extent is evicted.
-                self._failure_handled.wait()
-                raise self._fail(state.error)
-            if isinstance(state.error, _Cancelled):
-                raise CacheClosedError("the load stream was closed while waiting")
-            raise self._fail(ExtentFailure("?", index, state.error, integrity=False))  # type: ignore[arg-type]
-        with self._lock:
-            if self._failed is not None:
-                raise self._failed
-            self._handed.add(index)
-        if state.event is not None:
+        assert output is not None, "a complete layer has its destination"
+        if event is not None:
             current = torch.cuda.current_stream(self.device)
-            current.wait_event(state.event)
-            for tensor in self._tensors_of(state.output):
+            current.wait_event(event)
+            for tensor in self._tensors_of(output):
                 tensor.record_stream(current)
-        return state.output.result
+        return output.result
 
     @staticmethod
     def _tensors_of(output: LayerOutput) -> list[torch.Tensor]:
@@ -396,44 +534,40 @@ class LoadStream:
 
     def __iter__(self) -> Iterator[tuple[int, Layer]]:
         for index in range(self._released, self.num_layers):
-            layer = self.wait_for_layer(index)
-            with self._lock:
-                # Drop our reference so the caller alone decides the layer's lifetime; the
-                # allocator then reuses its memory for the layers that follow.
-                self._layers.pop(index, None)
-                self._released = index + 1
-                self._schedule()
-            yield index, layer
+            yield index, self._wait(index, release=True)
         self.close()
 
     @property
     def delivered_layers(self) -> int:
         """How many layers, from layer 0 without a gap, have been handed to the caller."""
         with self._lock:
-            count = 0
-            while count in self._handed:
-                count += 1
-            return count
+            return self._delivered()
+
+    def _delivered(self) -> int:
+        count = 0
+        while count < self.num_layers and self._handed[count]:
+            count += 1
+        return count
 
     def _fail(self, failure: ExtentFailure) -> LoadError:
-        delivered = self.delivered_layers
-        if failure.integrity:
-            error: LoadError = SegmentIntegrityError(
-                f"a stored segment of layer {failure.layer} failed to open; the cached prefix "
-                f"was dropped ({delivered} layers from layer 0 had been delivered intact)",
-                delivered_layers=delivered,
-            )
-        else:
-            error = LoadError(
-                f"reading layer {failure.layer} failed: {failure.cause}",
-                delivered_layers=delivered,
-            )
-        error.__cause__ = failure.cause
         with self._lock:
             if self._failed is None:
+                delivered = self._delivered()
+                if failure.integrity:
+                    error: LoadError = SegmentIntegrityError(
+                        f"a stored segment of layer {failure.layer} failed to open; the cached "
+                        f"prefix was dropped ({delivered} layers from layer 0 had been "
+                        "delivered intact)",
+                        delivered_layers=delivered,
+                    )
+                else:
+                    error = LoadError(
+                        f"reading layer {failure.layer} failed: {failure.cause}",
+                        delivered_layers=delivered,
+                    )
+                error.__cause__ = failure.cause
                 self._failed = error
-            else:
-                error = self._failed
+            error = self._failed
         self.close()
         return error
 
@@ -445,35 +579,25 @@ class LoadStream:
             if self._closed:
                 return
             self._closed = True
-            self._cancel.set()
-            queued = list(self._io_futures.items())
+            self._stop()
+            tasks, self._tasks = self._tasks, []
         self._ring.wake()
-        for future, layer in queued:
-            if future.cancel():
-                state = self._layers_state(layer)
-                if state is not None:
-                    self._chunk_finished(layer, state, _Cancelled())
-                else:  # pragma: no cover - a layer is registered before its chunks are queued
-                    with self._lock:
-                        self._outstanding -= 1
-        with self._idle:
-            while self._outstanding > 0:
-                self._idle.wait(timeout=1.0)
-            states = list(self._layers.values())
-        for state in states:
-            state.done.set()  # no waiter may block on a layer that will never complete
+        for task in tasks:
+            if task.cancel():  # queued, never started
+                with self._lock:
+                    self._running -= 1
         with self._lock:
-            self._layers.clear()  # let go of layer buffers the caller was never handed
+            while self._running > 0:
+                self._changed.wait(timeout=1.0)
+            # Let go of layer buffers the caller was never handed.
+            self._outputs = [None] * self.num_layers
+            self._events = [None] * self.num_layers
         if self._on_close is not None:
             self._on_close(self)
         for reader in self._readers.values():
             with contextlib.suppress(StorageError, OSError):
                 reader.close()
         self._readers.clear()
-
-    def _layers_state(self, layer: int) -> _LayerState | None:
-        with self._lock:
-            return self._layers.get(layer)
 
     @property
     def closed(self) -> bool:
