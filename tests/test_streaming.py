@@ -6,6 +6,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -266,6 +267,73 @@ def test_concurrent_loads_of_different_tenants_share_the_ring(tmp_path: Path) ->
     assert stats.in_use == 0
     assert stats.peak_in_use == stats.slots == 2
     assert stats.waits > 0, "the ring never pushed back, so the test did not exercise sharing"
+
+
+@pytest.fixture
+def two_threads(tmp_path: Path) -> Iterator[TenantKV]:
+    """A cache whose loader pool has as many threads as one load runs workers (2), and a ring
+    of 2-segment slots, so every layer is several chunks."""
+    cache = tenantkv.open(
+        tmp_path / "cache",
+        durable=False,
+        workers=2,
+        load_threads=2,
+        staging_slot_bytes=2 * SEGMENT,
+        staging_bytes=4 * 2 * SEGMENT,
+    )
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
+def _two_prefixes(kv: TenantKV) -> list[tuple[tenantkv.Namespace, list[int], list[Any]]]:
+    layout = KVLayout.mla(12, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
+    stored = []
+    for seed in (1, 2):
+        kv.create_tenant(f"t{seed}")
+        ns = kv.namespace(f"t{seed}", model="m", layout=layout)
+        tokens = random_tokens(8 * 64, seed=seed)
+        layers = random_layers(layout, len(tokens))
+        ns.store(tokens, layers)
+        stored.append((ns, tokens, layers))
+    return stored
+
+
+def test_a_stream_left_unconsumed_does_not_hold_up_another(two_threads: TenantKV) -> None:
+    """Workers stop at the window instead of waiting in the pool's threads, so a stream whose
+    caller is elsewhere cannot starve a later stream of loader threads."""
+    (ns_a, tokens_a, layers_a), (ns_b, tokens_b, layers_b) = _two_prefixes(two_threads)
+    with ns_a.load(tokens_a) as idle, ns_b.load(tokens_b) as busy:
+        for index, layer in busy:
+            assert layers_equal(layer, layers_b[index])
+        for index, layer in idle:
+            assert layers_equal(layer, layers_a[index])
+    assert two_threads.staging_stats()["host"].in_use == 0
+
+
+def test_streams_consumed_in_lockstep_share_the_loader_threads(two_threads: TenantKV) -> None:
+    """Two loads on a pool with threads for one: their workers take turns chunk by chunk."""
+    (ns_a, tokens_a, layers_a), (ns_b, tokens_b, layers_b) = _two_prefixes(two_threads)
+    for _ in range(3):
+        with ns_a.load(tokens_a) as a, ns_b.load(tokens_b) as b:
+            for (i, got_a), (j, got_b) in zip(a, b, strict=True):
+                assert i == j
+                assert layers_equal(got_a, layers_a[i])
+                assert layers_equal(got_b, layers_b[j])
+    assert two_threads.staging_stats()["host"].in_use == 0
+
+
+def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it(two_threads: TenantKV) -> None:
+    ((ns, tokens, layers), _) = _two_prefixes(two_threads)
+    last = len(layers) - 1
+    with ns.load(tokens) as stream:
+        assert layers_equal(stream.wait_for_layer(last), layers[last])
+        for index in (0, 5, 1, last):
+            assert layers_equal(stream.wait_for_layer(index), layers[index])
+        assert stream.delivered_layers == 2
+    with pytest.raises(tenantkv.CacheClosedError):
+        stream.wait_for_layer(0)
 
 
 def test_fresh_layers_cover_exactly_their_rows_after_a_longer_load(kv: TenantKV) -> None:
