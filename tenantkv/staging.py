@@ -1,11 +1,11 @@
 """The staging ring: a fixed set of reusable host buffers shared by every load of a cache.
 
-Readers take a slot, read a chunk of ciphertext into it, and hand it to a decrypt worker, which
-gives it back once the chunk's plaintext has reached its destination. The ring bounds the bytes
-in flight for all loads together: when every slot is taken, readers wait (back-pressure) instead
-of allocating, so host memory stays flat whatever the prefix size or the number of concurrent
-loads. Slots are allocated once and reused; for CUDA targets they are pinned, so host-to-device
-copies run asynchronously on the load's stream.
+A load's worker takes a slot, reads a chunk of ciphertext into it, opens it into the chunk's
+destination, and keeps the slot for its next chunk; it gives the slot back when it stops. The
+ring bounds the bytes in flight for all loads together: when every slot is taken, workers wait
+(back-pressure) instead of allocating, so host memory stays flat whatever the prefix size or the
+number of concurrent loads. Slots are allocated once and reused; for CUDA targets they are
+pinned, so host-to-device copies run asynchronously on the load's stream.
 
 A slot's bytes are never handed to a caller: callers receive their own output buffers, and a
 chunk copies out exactly the plaintext it decrypted for its request, so no stale tail of another
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_RING_BYTES = 64 * 2**20
-# A chunk (one slot of ciphertext) costs a pool task, a slot hand-over and Python bookkeeping,
+# A chunk (one slot of ciphertext) costs a read, a lock round trip and Python bookkeeping,
 # measured ~10 ms of CPU per 8K-token 61-layer load when layers were cut in 4 chunks instead of
 # 2; 8 MiB holds half a layer of an 8K-token MLA prefix. 8 slots still exceed the loader threads.
 DEFAULT_SLOT_BYTES = 8 * 2**20
