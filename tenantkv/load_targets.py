@@ -25,8 +25,24 @@ from .prefix import BLOCK_TOKENS
 
 
 def _check_buffer(
-    what: str, tensor: Any, layout: KVLayout, device: torch.device, tail: tuple[int, ...], rows: int
+    what: str,
+    tensor: Any,
+    layout: KVLayout,
+    device: torch.device,
+    tail: tuple[int, ...],
+    rows: int,
 ) -> torch.Tensor:
+    """``tensor`` if it can receive ``rows`` rows of ``layout``, else InvalidRequestError naming
+    ``what``. One combined test first: a load checks every layer's buffer before its first layer."""
+    if (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dtype == layout.dtype
+        and tensor.device == device
+        and tensor.shape[1:] == tail
+        and tensor.shape[0] >= rows
+        and tensor.is_contiguous()
+    ):
+        return tensor
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != layout.dtype:
@@ -41,9 +57,7 @@ def _check_buffer(
         )
     if tensor.shape[0] < rows:
         raise InvalidRequestError(f"{what} has {tensor.shape[0]} rows, the load needs {rows}")
-    if not tensor.is_contiguous():
-        raise InvalidRequestError(f"{what} must be contiguous")
-    return tensor
+    raise InvalidRequestError(f"{what} must be contiguous")
 
 
 def _normalise_device(device: torch.device) -> torch.device:
@@ -122,15 +136,12 @@ class LoadTarget:
             )
         checked: list[Any] = []
         seen: set[int] = set()
+        mla_tail = (layout.values_per_token,)
+        mha_tail = (layout.num_kv_heads, layout.head_dim)
         for index, entry in enumerate(out):
             if layout.kind == "mla":
                 tensor = _check_buffer(
-                    f"out[{index}]",
-                    entry,
-                    layout,
-                    self.device,
-                    (layout.values_per_token,),
-                    rows_needed,
+                    f"out[{index}]", entry, layout, self.device, mla_tail, rows_needed
                 )
                 parts = [tensor]
                 checked.append(tensor)
@@ -141,12 +152,11 @@ class LoadTarget:
                     or len(entry) != 2
                 ):
                     raise InvalidRequestError(f"out[{index}] must be a (k, v) pair of tensors")
-                tail = (layout.num_kv_heads, layout.head_dim)
                 k = _check_buffer(
-                    f"out[{index}] k", entry[0], layout, self.device, tail, rows_needed
+                    f"out[{index}] k", entry[0], layout, self.device, mha_tail, rows_needed
                 )
                 v = _check_buffer(
-                    f"out[{index}] v", entry[1], layout, self.device, tail, rows_needed
+                    f"out[{index}] v", entry[1], layout, self.device, mha_tail, rows_needed
                 )
                 parts = [k, v]
                 checked.append(entry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,8 @@ from .errors import InvalidRequestError
 
 TokenArray = npt.NDArray[np.uint32]
 MAX_TOKEN_ID = 2**32 - 1
+# The array module's 32-bit unsigned type code (``I`` on every platform CPython supports).
+_UINT32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 
 def as_token_array(tokens: Any) -> TokenArray:
@@ -23,27 +26,39 @@ def as_token_array(tokens: Any) -> TokenArray:
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidRequestError(f"tokens must be integers, got a tensor of {tokens.dtype}")
-        array: np.ndarray[Any, Any] = tokens.detach().to("cpu").numpy()
+        values: np.ndarray[Any, Any] = tokens.detach().to("cpu").numpy()
     elif isinstance(tokens, np.ndarray):
-        array = tokens
+        values = tokens
     elif isinstance(tokens, list | tuple):
-        # One pass in C over the element types (a per-element isinstance loop costs ~2 ms for
-        # 8K tokens, on the path to a load's first layer).
-        kinds = set(map(type, tokens))
-        if any(kind is bool or not issubclass(kind, int | np.integer) for kind in kinds):
-            raise InvalidRequestError("tokens must be a flat sequence of integer ids")
-        try:
-            array = np.asarray(tokens, dtype=np.int64)
-        except OverflowError:
-            raise InvalidRequestError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
+        return _list_as_token_array(tokens)
     else:
         raise InvalidRequestError(
             f"tokens must be a list of ints or a 1-D integer tensor, got {type(tokens).__name__}"
         )
-    if array.ndim != 1:
-        raise InvalidRequestError(f"tokens must be 1-D, got shape {list(array.shape)}")
-    if not np.issubdtype(array.dtype, np.integer):
-        raise InvalidRequestError(f"tokens must be integers, got {array.dtype}")
-    if array.size and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
+    if values.ndim != 1:
+        raise InvalidRequestError(f"tokens must be 1-D, got shape {list(values.shape)}")
+    if not np.issubdtype(values.dtype, np.integer):
+        raise InvalidRequestError(f"tokens must be integers, got {values.dtype}")
+    if values.size and (int(values.min()) < 0 or int(values.max()) > MAX_TOKEN_ID):
         raise InvalidRequestError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
-    return np.ascontiguousarray(array, dtype=np.uint32)
+    return np.ascontiguousarray(values, dtype=np.uint32)
+
+
+def _list_as_token_array(tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
+    """A list or tuple of ids, packed and range-checked in one pass in C.
+
+    ``array.array`` takes ints and other integer types (``__index__``), and refuses floats,
+    strings, nested sequences and ids outside [0, 2**32). It takes booleans as 0 and 1, so only
+    the elements that are 0 or 1 have their type checked. (A per-element check of every type
+    costs ~0.3 ms for 8K tokens, on the path to a load's first layer.)
+    """
+    try:
+        packed = array.array(_UINT32_CODE, tokens)
+    except OverflowError:
+        raise InvalidRequestError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
+    except TypeError:
+        raise InvalidRequestError("tokens must be a flat sequence of integer ids") from None
+    result: TokenArray = np.frombuffer(packed, dtype=np.uint32)
+    if any(type(tokens[index]) is bool for index in np.flatnonzero(result <= 1).tolist()):
+        raise InvalidRequestError("tokens must be a flat sequence of integer ids, not booleans")
+    return result

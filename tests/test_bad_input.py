@@ -317,6 +317,11 @@ def test_token_containers_agree(kv: TenantKV, mla: Namespace) -> None:
     top = [2**32 - 1] * 64  # the largest valid id
     assert mla.store(top, random_layers(MLA_SMALL, 64)) == 64
     assert mla.lookup(np.asarray(top, dtype=np.uint32)) == 64
+    # Ids 0 and 1 (the values a boolean would take) are ids when they are ints.
+    low = [0, 1] * 32
+    assert mla.store(low, random_layers(MLA_SMALL, 64)) == 64
+    assert mla.lookup(torch.tensor(low)) == 64
+    assert mla.lookup([np.int32(t) for t in low]) == 64
 
 
 # ---- tenants ------------------------------------------------------------------------------------
