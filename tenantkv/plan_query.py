@@ -1,13 +1,13 @@
 """The index statements of a load: its read plan, and the record of its use afterwards.
 
-Both are SQLAlchemy Core statements built once per process.
-
-A load's first layer waits on this query, so it is cheap to run: a single SQLAlchemy Core
-``select`` (no ORM session or entities) with bound parameters, constructed at import time, so a
-call only binds values -- building and coercing a statement (``in_``, comparisons, joins) on
-every load cost ~3x more than SQLite needs to run it. One statement also reads the block rows,
-their extents and the data keys in one snapshot, so no transaction is needed to keep them
-consistent with each other.
+A load's first layer waits on the plan query, so it is cheap to run. It is a SQLAlchemy Core
+``select`` (no ORM session or entities), rendered to SQL once per database driver and IN-list
+size (the next power of two of the number of keys, padded with a repeated key) and run with the
+driver's own parameters: building and coercing a statement on every load cost ~3x more than
+SQLite needs to run it, and expanding an IN list per call another ~0.3 ms for 128 keys. One
+statement also reads the block rows, their extents and the data keys in one snapshot, so no
+transaction is needed to keep them consistent with each other. The record of use is a prebuilt
+Core statement too.
 
 What it returns for each requested block that is indexed in the namespace and whose extent has
 not expired: where the block lies (extent, slot) and what opening its extent needs (key version,
@@ -19,36 +19,79 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, select, update
+from sqlalchemy import Connection, Dialect, Select, and_, bindparam, select, update
 
 from .models import Block, DataKey, Extent, Tenant
 from .retention import loads as loads_retention
 
-_BLOCKS_WITH_EXTENTS = (
-    select(
-        Block.block_key,
-        Block.extent_id,
-        Block.slot,
-        Extent.key_version,
-        Extent.suite,
-        Extent.salt,
-        Extent.num_blocks,
-        Extent.num_layers,
-        Extent.segment_bytes,
-        DataKey.wrapped_key,
+
+def _blocks_with_extents(count: int) -> Select[*tuple[Any, ...]]:
+    """The plan query for ``count`` block keys, bound as ``key0 .. key{count-1}``."""
+    return (
+        select(
+            Block.block_key,
+            Block.extent_id,
+            Block.slot,
+            Extent.key_version,
+            Extent.suite,
+            Extent.salt,
+            Extent.num_blocks,
+            Extent.num_layers,
+            Extent.segment_bytes,
+            DataKey.wrapped_key,
+        )
+        .join(Extent, Extent.id == Block.extent_id)
+        .outerjoin(
+            DataKey,
+            and_(
+                DataKey.tenant_id == bindparam("tenant_id"),
+                DataKey.version == Extent.key_version,
+            ),
+        )
+        .where(
+            Block.namespace_id == bindparam("namespace_id"),
+            Block.block_key.in_([bindparam(f"key{i}") for i in range(count)]),
+            Extent.expires_at > bindparam("now"),  # expired blocks are misses before GC runs
+        )
     )
-    .join(Extent, Extent.id == Block.extent_id)
-    .outerjoin(
-        DataKey,
-        and_(DataKey.tenant_id == bindparam("tenant_id"), DataKey.version == Extent.key_version),
-    )
-    .where(
-        Block.namespace_id == bindparam("namespace_id"),
-        Block.block_key.in_(bindparam("keys", expanding=True)),
-        Extent.expires_at > bindparam("now"),  # expired blocks are misses before GC runs
-    )
-)
+
+
+@dataclass(frozen=True, slots=True)
+class _RenderedQuery:
+    """A statement rendered once for one database driver: its SQL in the driver's parameter
+    style, and for positional styles the order of its parameters."""
+
+    sql: str
+    order: tuple[str, ...] | None
+
+    def parameters(self, values: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
+        if self.order is None:
+            return values
+        return tuple(values[name] for name in self.order)
+
+
+_RENDERED: dict[tuple[str, str, str, int], _RenderedQuery] = {}
+
+
+def _rendered(dialect: Dialect, count: int) -> _RenderedQuery:
+    """The plan query for ``count`` keys as ``dialect``'s driver takes it, rendered once per
+    driver and count (engines have dialect objects of their own; their SQL is the same)."""
+    cache_key = (dialect.name, dialect.driver, dialect.paramstyle, count)
+    query = _RENDERED.get(cache_key)
+    if query is None:
+        compiled = _blocks_with_extents(count).compile(dialect=dialect)
+        positional = compiled.positional and compiled.positiontup is not None
+        order = tuple(compiled.positiontup or ()) if positional else None
+        query = _RENDERED.setdefault(cache_key, _RenderedQuery(compiled.string, order))
+    return query
+
+
+def _key_bucket(count: int) -> int:
+    """The number of IN-list parameters a query of ``count`` keys is rendered with: the next
+    power of two, so a handful of rendered statements serve every request length."""
+    return 1 << max(0, count - 1).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +120,16 @@ def locate_blocks(
     ``keys`` (at most a few hundred: the caller chunks longer requests)."""
     located: dict[bytes, tuple[str, int]] = {}
     extents: dict[str, ExtentRow] = {}
-    result = connection.execute(
-        _BLOCKS_WITH_EXTENTS,
-        {"tenant_id": tenant_id, "namespace_id": namespace_id, "keys": list(keys), "now": now},
-    )
+    if not keys:
+        return located, extents
+    bucket = _key_bucket(len(keys))
+    query = _rendered(connection.dialect, bucket)
+    values: dict[str, Any] = {"tenant_id": tenant_id, "namespace_id": namespace_id, "now": now}
+    for index, key in enumerate(keys):
+        values[f"key{index}"] = key
+    for index in range(len(keys), bucket):
+        values[f"key{index}"] = keys[-1]  # padding: a repeated key matches no extra row
+    result = connection.exec_driver_sql(query.sql, query.parameters(values))
     for (
         block_key,
         extent_id,
@@ -93,17 +142,18 @@ def locate_blocks(
         segment_bytes,
         wrapped_key,
     ) in result:
-        located[block_key] = (extent_id, slot)
+        # Driver values: some drivers return binary columns as memoryview, not bytes.
+        located[bytes(block_key)] = (extent_id, slot)
         if extent_id not in extents:
             extents[extent_id] = ExtentRow(
                 extent_id,
                 key_version,
                 suite,
-                salt,
+                bytes(salt),
                 num_blocks,
                 num_layers,
                 segment_bytes,
-                wrapped_key,
+                None if wrapped_key is None else bytes(wrapped_key),
             )
     return located, extents
 

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from sqlalchemy import delete, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
 from tenantkv import namespace as namespace_module
 from tenantkv.loader import split_chunks
 from tenantkv.models import DataKey, Extent
+from tenantkv.plan_query import _rendered, locate_blocks
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 
 MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
@@ -87,6 +89,42 @@ def test_plans_spanning_query_chunks_and_extents_load_exactly(
         assert layers_equal(got, want)
     with pytest.raises(CacheMissError, match="only 384 of 448 tokens"):
         ns.load(tokens[: 6 * 64] + random_tokens(64, seed=5))
+
+
+@pytest.mark.parametrize("wanted", [1, 2, 3, 5, 8, 9])
+def test_plan_query_finds_exactly_the_indexed_keys_of_any_count(kv: TenantKV, wanted: int) -> None:
+    """The IN list is padded to a power of two with a repeated key: the plan must still have
+    exactly the requested blocks, at their slots, and nothing for keys that are not indexed."""
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(9 * 64)
+    ns.store(tokens, random_layers(MLA, len(tokens)))
+    keys = ns._keys(tokens)
+    absent = ns._keys(random_tokens(2 * 64, seed=99))
+    identity = ns.identity
+    with kv.db.read_connection() as connection:
+        located, extents = locate_blocks(
+            connection,
+            tenant_id=identity.tenant_id,
+            namespace_id=identity.namespace_id,
+            keys=[*keys[:wanted], *absent],
+            now=kv.clock(),
+        )
+    assert set(located) == set(keys[:wanted])
+    assert [located[key][1] for key in keys[:wanted]] == list(range(wanted))
+    assert len(extents) == 1 and next(iter(extents.values())).wrapped_key is not None
+
+
+def test_plan_query_renders_for_each_driver_parameter_style() -> None:
+    """SQLite takes positional parameters in the SQL's order, psycopg named ones (no PostgreSQL
+    driver is needed to render)."""
+    values = {"tenant_id": b"t", "namespace_id": b"n", "now": 1.0, "key0": b"a", "key1": b"b"}
+    positional = _rendered(sqlite.dialect(), 2)
+    assert positional.sql.count("?") == 5
+    assert positional.parameters(values) == (b"t", b"n", b"a", b"b", 1.0)
+    named = _rendered(postgresql.psycopg.dialect(), 2)
+    assert "IN (%(key0)s, %(key1)s)" in named.sql
+    assert named.parameters(values) == values
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
