@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
+from tenantkv import loader as loader_module
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 
 MLA = KVLayout.mla(4, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)  # 8 KiB segments
@@ -334,6 +336,33 @@ def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it(two_threads: Tenan
         assert stream.delivered_layers == 2
     with pytest.raises(tenantkv.CacheClosedError):
         stream.wait_for_layer(0)
+
+
+def test_the_pause_after_layer_0_ends_when_the_caller_runs(
+    kv: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker that completes layer 0 for a blocked caller leaves its core until the caller
+    runs. With the bound raised to a minute, loads still finish at once: the caller's wake, not
+    the bound, ends the pause. (And the pause was taken: a positive control.)"""
+    monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
+    handed_over: list[bool] = []
+    chunk_done = loader_module.LoadStream._chunk_done
+
+    def recording(stream: loader_module.LoadStream, layer: int) -> bool:
+        result = chunk_done(stream, layer)
+        handed_over.append(result)
+        return result
+
+    monkeypatch.setattr(loader_module.LoadStream, "_chunk_done", recording)
+    ((ns, tokens, layers), _) = _two_prefixes(kv)
+    started = time.monotonic()
+    for _ in range(5):
+        with ns.load(tokens) as stream:
+            assert layers_equal(stream.wait_for_layer(0), layers[0])
+            for index, layer in stream:
+                assert layers_equal(layer, layers[index])
+    assert any(handed_over)
+    assert time.monotonic() - started < 30.0
 
 
 def test_fresh_layers_cover_exactly_their_rows_after_a_longer_load(kv: TenantKV) -> None:
