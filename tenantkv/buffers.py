@@ -12,8 +12,6 @@ from __future__ import annotations
 import sys
 import threading
 
-import torch
-
 _local = threading.local()
 
 
@@ -32,12 +30,13 @@ def thread_buffer(size: int) -> memoryview:
 class RecyclingPool:
     """Host buffers for fresh layer tensors, reused once the caller has let go of them.
 
-    A layer handed to a caller is a tensor over one of these buffers (``torch.frombuffer`` keeps
-    the buffer alive while any tensor or view of it lives). When the caller drops the layer, the
-    pool holds the only reference left, and the buffer is reused for a later layer instead of
-    faulting in fresh pages (which costs more than decrypting on these machines, and makes glibc
-    keep freed layers around). Buffers still referenced by a caller are never handed out again.
-    The pool keeps at most ``max_bytes``; beyond that, layers are plain fresh allocations.
+    A layer handed to a caller is a tensor over a memoryview of one of these buffers (the view,
+    and ``torch.frombuffer``'s tensors and their views, keep the buffer referenced while they
+    live). When the caller drops the layer, the pool holds the only reference left, and the
+    buffer is reused for a later layer instead of faulting in fresh pages (which costs more than
+    decrypting on these machines, and makes glibc keep freed layers around). Buffers still
+    referenced by a caller are never handed out again. The pool keeps at most ``max_bytes``;
+    beyond that, layers are plain fresh allocations.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -46,22 +45,37 @@ class RecyclingPool:
         self._buffers: list[bytearray] = []
         self._bytes = 0
 
-    def tensor(self, nbytes: int) -> torch.Tensor:
-        """A uint8 CPU tensor of ``nbytes`` with unspecified contents."""
+    def buffer(self, nbytes: int) -> memoryview:
+        """A writable byte view of ``nbytes`` with unspecified contents.
+
+        The view (and any tensor made over it, e.g. by ``torch.frombuffer``) keeps its buffer
+        from being handed out again while it lives.
+        """
         with self._lock:
-            for index in range(len(self._buffers)):
-                buffer = self._buffers[index]
-                # References: the list and this local. A caller's tensor or view would add one.
-                if sys.getrefcount(buffer) == 3 and nbytes <= len(buffer) <= 2 * nbytes:
-                    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+            reused = self._reuse(nbytes)
+            if reused is not None:
+                return reused
             if self._bytes + nbytes > self.max_bytes:
                 self._evict_idle(nbytes)
             if self._bytes + nbytes > self.max_bytes:
-                return torch.empty(nbytes, dtype=torch.uint8)
+                return memoryview(bytearray(nbytes))
             buffer = bytearray(nbytes)
             self._buffers.append(buffer)
             self._bytes += nbytes
-            return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+            return memoryview(buffer)[:nbytes]
+
+    def _reuse(self, nbytes: int) -> memoryview | None:
+        """A view of an idle pooled buffer that fits ``nbytes`` (not over twice as large).
+
+        A helper of its own so that no local variable of the caller still refers to a buffer
+        when idle ones are counted for eviction.
+        """
+        for buffer in self._buffers:
+            # References: the list, the loop variable and getrefcount's argument. A caller's
+            # view or tensor would add one.
+            if sys.getrefcount(buffer) == 3 and nbytes <= len(buffer) <= 2 * nbytes:
+                return memoryview(buffer)[:nbytes]
+        return None
 
     def _evict_idle(self, needed: int) -> None:
         """Drop idle buffers (oldest first) until ``needed`` more bytes fit."""

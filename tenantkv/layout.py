@@ -152,8 +152,11 @@ class KVLayout:
 
     def layer_from_rows(self, rows: torch.Tensor) -> Layer:
         """Typed views of a loaded ``[T, token_bytes]`` uint8 buffer (no copy)."""
-        num_tokens = rows.shape[0]
-        values = rows.view(self.dtype)
+        return self.layer_from_values(rows.view(self.dtype), rows.shape[0])
+
+    def layer_from_values(self, values: torch.Tensor, num_tokens: int) -> Layer:
+        """Typed views of a loaded layer's ``num_tokens`` tokens, given as a contiguous tensor of
+        this layout's dtype (flat or one row per token), with no copy."""
         if self.kind == "mla":
             return values.view(num_tokens, self.values_per_token)
         pair = values.view(num_tokens, 2, self.num_kv_heads, self.head_dim)

@@ -75,12 +75,14 @@ class LayerOutput:
         rows: torch.Tensor | None,
         pair: tuple[torch.Tensor, torch.Tensor] | None,
         result: Layer,
+        host_bytes: memoryview | None = None,
     ) -> None:
         self.rows = rows  # uint8 [R, token_bytes], when the destination is byte-addressable
         self.pair = pair  # (k, v) buffers of an MHA out=
         self.result = result
-        self.bytes: memoryview | None = None
-        if rows is not None and rows.device.type == "cpu":
+        #: the destination's bytes, when it is in host memory in the stored row format
+        self.bytes = host_bytes
+        if host_bytes is None and rows is not None and rows.device.type == "cpu":
             self.bytes = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -169,11 +171,14 @@ class LoadTarget:
     def new_layer(self, layer: int) -> LayerOutput:
         layout = self.layout
         if self.out is None:
-            shape = (self.num_blocks * BLOCK_TOKENS, layout.token_bytes)
+            num_tokens = self.num_blocks * BLOCK_TOKENS
             if self.device.type == "cpu" and self._host_pool is not None:
-                rows = self._host_pool.tensor(shape[0] * shape[1]).view(shape)
-            else:
-                rows = torch.empty(shape, dtype=torch.uint8, device=self.device)
+                # Few calls: a worker makes each layer's destination while others wait for it.
+                host = self._host_pool.buffer(num_tokens * layout.token_bytes)
+                values = torch.frombuffer(host, dtype=layout.dtype)
+                result = layout.layer_from_values(values, num_tokens)
+                return LayerOutput(rows=None, pair=None, result=result, host_bytes=host)
+            rows = layout.empty_rows(num_tokens, self.device)
             return LayerOutput(rows=rows, pair=None, result=layout.layer_from_rows(rows))
         entry = self.out[layer]
         if layout.kind == "mla":
