@@ -173,7 +173,8 @@ class LoadTarget:
         if self.out is None:
             num_tokens = self.num_blocks * BLOCK_TOKENS
             if self.device.type == "cpu" and self._host_pool is not None:
-                # Few calls: a worker makes each layer's destination while others wait for it.
+                # Straight over the pool's bytes, in few calls: a worker makes each layer's
+                # destination under the stream's lock.
                 host = self._host_pool.buffer(num_tokens * layout.token_bytes)
                 values = torch.frombuffer(host, dtype=layout.dtype)
                 result = layout.layer_from_values(values, num_tokens)
