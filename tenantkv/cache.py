@@ -21,7 +21,7 @@ from typing import Any, Self
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from . import tenants
+from . import config, tenants
 from .audit import FAILURE, KEYS_RETIRE, ROLE_OPERATOR, Attribution, AuditLog
 from .buffers import RecyclingPool
 from .crypto import (
@@ -651,7 +651,7 @@ def open(
         raise InvalidRequestError(str(err)) from None
     root_path = Path(root)
     root_path.mkdir(parents=True, exist_ok=True)
-    url = database_url or f"sqlite:///{root_path / 'index.db'}"
+    url = database_url or config.default_database_url(root_path)
     wrapper: KeyWrapper
     if master_key is None:
         wrapper = KeyEncryptionKey(default_master_key_provider(root_path / "master.key").load())
