@@ -35,7 +35,6 @@ from .crypto import (
     default_master_key_provider,
     new_key,
 )
-from .database import Database
 from .errors import (
     CacheClosedError,
     InvalidRequestError,
@@ -44,11 +43,12 @@ from .errors import (
 )
 from .gc import BackgroundGc, GcReport, Progress
 from .gc import collect as gc_collect
+from .index.database import Database
+from .index.schema import Block, DataKey, Extent, SchemaInfo, Tenant
+from .index.schema import Namespace as NamespaceRow
 from .layout import KVLayout
 from .loader import LoadStream
 from .metering import DEFAULT_HIT_COST, Meter, UsageReport, read_usage
-from .models import Block, DataKey, Extent, SchemaInfo, Tenant
-from .models import Namespace as NamespaceRow
 from .namespace import Namespace, NamespaceIdentity
 from .prefix import model_fingerprint
 from .quota import Evicted, total_quota

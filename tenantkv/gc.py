@@ -19,8 +19,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from .audit import USAGE_SUMMARY, chain_for
+from .index.schema import Block, Extent, Namespace, SchemaInfo, Tenant
 from .metering import BUCKET_SECONDS, read_usage
-from .models import Block, Extent, Namespace, SchemaInfo, Tenant
 from .storage import StorageError
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .database import Database
-from .models import Tenant, Usage
+from .index.database import Database
+from .index.schema import Tenant, Usage
 
 BUCKET_SECONDS = 60
 DEFAULT_HIT_COST = 1 / 50

@@ -31,11 +31,11 @@ from .errors import (
     TenantNotFoundError,
 )
 from .extent_format import ExtentGeometry
+from .index.plan import ExtentRow, locate_blocks, record_use
+from .index.schema import Block, DataKey, Extent, Tenant
 from .layout import KVLayout
 from .load_targets import LoadTarget
 from .loader import ExtentFailure, LoadStream, open_readers
-from .models import Block, DataKey, Extent, Tenant
-from .plan_query import ExtentRow, locate_blocks, record_use
 from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
 from .quota import Evicted, make_room
 from .read_plan import PlannedExtent, ReadPlan, group_runs

@@ -19,7 +19,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from .errors import QuotaExceededError
-from .models import Block, Extent, Tenant
+from .index.schema import Block, Extent, Tenant
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from sqlalchemy import delete, select, update
 from .audit import SEGMENT_OPEN_FAILED
 from .crypto import ExtentCipher, SealOpenError, SegmentContext, new_salt
 from .extent_format import ExtentGeometry
-from .models import Block, DataKey, Extent
+from .index.schema import Block, DataKey, Extent
 from .storage import StorageError
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
-from .models import DataKey, Extent, Namespace, Tenant
+from .index.schema import DataKey, Extent, Namespace, Tenant
 from .quota import Evicted, make_room, tenant_bytes, total_quota
 from .retention import dumps as dumps_retention
 from .retention import loads as loads_retention

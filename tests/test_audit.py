@@ -50,7 +50,7 @@ from tenantkv.audit import (
     verify_export,
 )
 from tenantkv.crypto import KeyEncryptionKey, SealOpenError
-from tenantkv.database import Database
+from tenantkv.index.database import Database
 
 
 class FakeClock:

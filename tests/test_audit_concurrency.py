@@ -30,7 +30,7 @@ from tenantkv.audit import (
     verify_export,
 )
 from tenantkv.crypto import KeyEncryptionKey
-from tenantkv.database import Database
+from tenantkv.index.database import Database
 
 APPENDS_PER_PROCESS = 40
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

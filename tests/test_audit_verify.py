@@ -34,7 +34,7 @@ from tenantkv.audit import (
     verify_export,
 )
 from tenantkv.crypto import KeyEncryptionKey
-from tenantkv.database import Database
+from tenantkv.index.database import Database
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

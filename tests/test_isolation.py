@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tenantkv import KVLayout, TenantKV
-from tenantkv.models import Block
+from tenantkv.index.schema import Block
 from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
 
 TOKENS = random_tokens(256, seed=11)

@@ -18,9 +18,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
 from tenantkv import namespace as namespace_module
+from tenantkv.index.plan import _rendered, locate_blocks
+from tenantkv.index.schema import DataKey, Extent
 from tenantkv.loader import split_chunks
-from tenantkv.models import DataKey, Extent
-from tenantkv.plan_query import _rendered, locate_blocks
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 
 MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)

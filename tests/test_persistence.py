@@ -10,7 +10,7 @@ import pytest
 import tenantkv
 from tenantkv import TenantKV
 from tenantkv.crypto import MasterKeyError
-from tenantkv.models import Block, Extent
+from tenantkv.index.schema import Block, Extent
 from tests.helpers import MHA_SMALL, MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
 
 

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 import tenantkv
 from tenantkv import CacheMissError, InvalidRequestError, TenantKV
 from tenantkv.cli import main
-from tenantkv.models import Extent
+from tenantkv.index.schema import Extent
 from tests.helpers import MLA_SMALL
 from tests.test_tenants import (
     BIG_QUOTA,

@@ -38,9 +38,9 @@ from tenantkv.crypto import (
     SegmentContext,
 )
 from tenantkv.extent_format import ExtentGeometry
+from tenantkv.index.schema import Block, DataKey, Extent, Tenant, Usage
+from tenantkv.index.schema import Namespace as NamespaceRow
 from tenantkv.keyring import data_key_context
-from tenantkv.models import Block, DataKey, Extent, Tenant, Usage
-from tenantkv.models import Namespace as NamespaceRow
 from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
 
 CAPACITY = 2**30

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN, AuditEvent
 from ..errors import InvalidRequestError, TenantNotFoundError
-from ..models import Tenant
+from ..index.schema import Tenant
 from ..tenants import check_tenant_name
 from .models import ApiToken, ServerBase
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final
 from sqlalchemy import delete, select
 
 from ..errors import TenantNotFoundError
-from ..models import Block, Extent, Namespace, Tenant
+from ..index.schema import Block, Extent, Namespace, Tenant
 from .caller import Caller
 
 if TYPE_CHECKING:

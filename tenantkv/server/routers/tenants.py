@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from ...audit import ROLE_TENANT_ADMIN, TENANT_DELETE
 from ...errors import InvalidRequestError, TenantNotFoundError
-from ...models import Tenant
+from ...index.schema import Tenant
 from ...tenants import TenantInfo
 from ..auth import revoke_tenant_tokens
 from ..caller import Caller

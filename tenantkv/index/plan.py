@@ -23,8 +23,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Dialect, Select, and_, bindparam, select, update
 
-from .models import Block, DataKey, Extent, Tenant
-from .retention import loads as loads_retention
+from ..retention import loads as loads_retention
+from .schema import Block, DataKey, Extent, Tenant
 
 
 def _blocks_with_extents(count: int) -> Select[*tuple[Any, ...]]:

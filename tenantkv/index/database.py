@@ -16,8 +16,8 @@ from sqlalchemy import Connection, Engine, create_engine, event, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from .audit import AuditBase
-from .models import Base, SchemaInfo
+from ..audit import AuditBase
+from .schema import Base, SchemaInfo
 
 SCHEMA_VERSION = "1"
 _IMMEDIATE = "tenantkv_immediate"
