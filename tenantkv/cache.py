@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +23,13 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from . import config, tenants
 from .audit import FAILURE, KEYS_RETIRE, ROLE_OPERATOR, Attribution, AuditLog
 from .buffers import RecyclingPool
+from .coordination import (
+    DEFAULT_LEASE_SECONDS,
+    CoordinationThread,
+    KeyEpochWatcher,
+    LeaseKeeper,
+    new_node_id,
+)
 from .crypto import (
     DEFAULT_SUITE,
     CipherSuite,
@@ -41,8 +47,11 @@ from .errors import (
     QuotaExceededError,
     TenantNotFoundError,
 )
+from .extent_removal import ExtentRemover
 from .gc import BackgroundGc, GcReport, Progress
 from .gc import collect as gc_collect
+from .health import HealthCounters
+from .index import counters, extents, leases
 from .index.database import Database
 from .index.schema import Block, DataKey, Extent, SchemaInfo, Tenant
 from .index.schema import Namespace as NamespaceRow
@@ -54,8 +63,9 @@ from .prefix import model_fingerprint
 from .quota import Evicted, total_quota
 from .reseal import reseal_tenant
 from .security_events import SecurityEvent, SecurityEventLog
+from .serving import ServingPolicy
 from .staging import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES, RingStats, StagingRing
-from .storage import BlockStore, LocalBlockStore, StorageError
+from .storage import BlockStore, LocalBlockStore
 from .tenants import TenantInfo
 
 logger = logging.getLogger("tenantkv")
@@ -97,6 +107,7 @@ class TenantKV:
         default_quota_bytes: int = DEFAULT_QUOTA_BYTES,
         hit_cost: float = DEFAULT_HIT_COST,
         gc_interval: float | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         from .keyring import Keyring
@@ -109,6 +120,8 @@ class TenantKV:
         self.strict = strict
         self.clock = clock
         self.events = SecurityEventLog()
+        self.health = HealthCounters()
+        self.serving = ServingPolicy(strict, self.health)
         # Whom this process's own actions are recorded as (the admin service passes its callers).
         self.attribution = Attribution(
             f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR
@@ -117,8 +130,13 @@ class TenantKV:
         self.meter = Meter()
         self.default_quota_bytes = default_quota_bytes
         self.hit_cost = hit_cost
-        self._pins: Counter[str] = Counter()
-        self._pins_lock = threading.Lock()
+        self.node_id = new_node_id()
+        self.remover = ExtentRemover(database, block_store)
+        self.leases = LeaseKeeper(
+            database, self.remover, node_id=self.node_id, lease_seconds=lease_seconds
+        )
+        self._key_epoch = KeyEpochWatcher(database, self.keyring)
+        self._coordination = CoordinationThread(self.leases, self._key_epoch)
         self._gc: BackgroundGc | None = None
         self.workers = workers or os.cpu_count() or 1
         # Layers a load keeps ready ahead of its caller (and a store seals ahead of its writes):
@@ -149,11 +167,13 @@ class TenantKV:
             self.capacity_bytes, self.allow_overcommit = self._settle_capacity(
                 capacity_bytes, allow_overcommit
             )
+            self._key_epoch.check()
         except BaseException:
             self.executor.shutdown(wait=False)
             self.load_executor.shutdown(wait=False)
             self.db.close()
             raise
+        self._coordination.start()
         if gc_interval is not None:
             self.start_background_gc(gc_interval)
 
@@ -253,12 +273,14 @@ class TenantKV:
             self._gc.stop()
         for stream in streams:  # their chunks must finish before the pools go away
             stream.close()
+        self._coordination.stop()
         try:
             self.meter.flush(self.db)
         except SQLAlchemyError as err:
             logger.warning("metering could not be saved at close: %s", err)
         self.load_executor.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.leases.release_all()  # loads whose bookkeeping the shutdown cancelled
         self.store_backend.close()
         self.db.close()
 
@@ -352,6 +374,8 @@ class TenantKV:
                         DataKey.tenant_id == tenant_id, DataKey.version.in_(retired)
                     )
                 )
+            if retired:
+                counters.bump(session, counters.KEY_EPOCH)  # other nodes drop the old keys
             remaining = tenants.count_extents_with_old_keys(session, row)
             result: dict[str, Any] = {
                 "resealed": outcome.resealed,
@@ -466,21 +490,11 @@ class TenantKV:
                 self._gc = BackgroundGc(self, interval)
                 self._gc.start()
 
-    def pin_extents(self, extent_ids: list[str]) -> None:
-        """Mark extents as read by a running load: eviction and GC leave them alone."""
-        with self._pins_lock:
-            self._pins.update(extent_ids)
-
-    def unpin_extents(self, extent_ids: list[str]) -> None:
-        with self._pins_lock:
-            self._pins.subtract(extent_ids)
-            for extent_id in extent_ids:
-                if self._pins[extent_id] <= 0:
-                    del self._pins[extent_id]
-
-    def pinned_extents(self) -> set[str]:
-        with self._pins_lock:
-            return set(self._pins)
+    def leased_extents(self) -> set[str]:
+        """Extents some node's running load holds a lease on (eviction, GC, re-sealing and
+        purges pass them over; their bytes stay until the lease ends)."""
+        with self.db.read() as session:
+            return leases.leased(session, None, time.time())
 
     def discard_evicted(self, tenant_id: bytes, evicted: list[Evicted]) -> None:
         """After an eviction committed: remove the bytes and meter it."""
@@ -488,8 +502,8 @@ class TenantKV:
             return
         now = self.clock()
         scopes = self._scopes_of({e.namespace_id for e in evicted})
+        self.remover.remove_bytes([item.extent_id for item in evicted])
         for item in evicted:
-            self.delete_extent_file(item.extent_id)
             scope = scopes.get(item.namespace_id, "")
             if item.expired:
                 self.meter.add(
@@ -512,20 +526,16 @@ class TenantKV:
     def delete_extent_file(self, extent_id: str) -> bool:
         """Remove an extent's bytes (its index rows are already gone); failures are left to the
         orphan sweep."""
-        try:
-            return self.store_backend.delete(extent_id)
-        except StorageError as err:
-            logger.warning(
-                "could not delete extent %s (left for the orphan sweep): %s", extent_id, err
-            )
-            return False
+        return self.remover.delete_file(extent_id)
 
     def drop_extent(self, extent_id: str) -> None:
-        """Remove an extent from the index (first) and the block store (second)."""
+        """Remove a damaged extent from the index (first) and the block store (second).
+
+        Its bytes go at once even if loads hold leases on them: they fail to open for every
+        reader alike, so there is nothing left to protect."""
         with self.db.write() as session:
-            session.execute(delete(Block).where(Block.extent_id == extent_id))
-            session.execute(delete(Extent).where(Extent.id == extent_id))
-        self.delete_extent_file(extent_id)
+            extents.delete_rows(session, [extent_id])
+        self.remover.delete_file(extent_id)
 
     def staging_ring(self, *, pinned: bool) -> StagingRing:
         """The ring shared by all loads (a pinned one, made on first use, for CUDA targets)."""
@@ -556,6 +566,12 @@ class TenantKV:
     def security_events(self) -> dict[str, int]:
         """Counts of security events recorded by this process, by kind."""
         return self.events.counts()
+
+    def health_counters(self) -> dict[str, int]:
+        """Counts of what went wrong in this process that is not a security event: lost
+        extents (bytes gone or short: a miss) and operations degraded to a miss because the
+        index or block store failed (``degraded_lookup``, ``degraded_store``, ...)."""
+        return self.health.counts()
 
     def recent_security_events(self) -> list[SecurityEvent]:
         return self.events.recent()
@@ -616,6 +632,7 @@ def open(
     default_quota_bytes: int = DEFAULT_QUOTA_BYTES,
     hit_cost: float = DEFAULT_HIT_COST,
     gc_interval: float | None = None,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
     clock: Callable[[], float] = time.time,
 ) -> TenantKV:
     """Open (creating if needed) a cache rooted at ``root``.
@@ -635,7 +652,9 @@ def open(
     (persisted and recorded: it lets one tenant's growth crowd out another's reserved space).
     ``default_quota_bytes`` (1 GiB) applies to tenants created without a quota; ``hit_cost``
     (1/50) prices a token served from cache relative to a missed one; ``gc_interval`` starts a
-    background GC. ``clock`` is injectable for tests.
+    background GC. ``lease_seconds`` (60) is how long a load's lease on its extents lasts
+    without renewal (a crashed node's leases lapse after it). ``clock`` is injectable for
+    tests; leases always use the wall clock, since every node must agree on them.
     """
     for name, value in (
         ("staging_bytes", staging_bytes),
@@ -676,5 +695,6 @@ def open(
         default_quota_bytes=default_quota_bytes,
         hit_cost=hit_cost,
         gc_interval=gc_interval,
+        lease_seconds=lease_seconds,
         clock=clock,
     )

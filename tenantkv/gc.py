@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from .audit import USAGE_SUMMARY, chain_for
-from .index.schema import Block, Extent, Namespace, SchemaInfo, Tenant
+from .index import extents, leases
+from .index.schema import Extent, Namespace, SchemaInfo, Tenant
 from .metering import BUCKET_SECONDS, read_usage
 from .storage import StorageError
 
@@ -50,8 +52,9 @@ def collect(
             .where(Extent.expires_at <= now)
             .order_by(Extent.expires_at)
         ).all()
-    pinned = kv.pinned_extents()
-    expired = [row for row in expired if row.id not in pinned]  # a running load keeps its bytes
+    with kv.db.read() as session:  # a running load on any node keeps its extents
+        held = leases.leased(session, [row.id for row in expired], time.time())
+    expired = [row for row in expired if row.id not in held]
     existing = list(kv.store_backend.list())
     total = len(expired) + len(existing)
     done = 0
@@ -60,10 +63,9 @@ def collect(
         batch = expired[start : start + _BATCH]
         ids = [row.id for row in batch]
         with kv.db.write() as session:  # index first ...
-            session.execute(delete(Block).where(Block.extent_id.in_(ids)))
-            session.execute(delete(Extent).where(Extent.id.in_(ids)))
-        for row in batch:  # ... bytes second
-            kv.delete_extent_file(row.id)
+            extents.delete_rows(session, ids)
+        kv.remover.remove_bytes(ids)  # ... bytes second
+        for row in batch:
             kv.meter.add(
                 row.tenant_id, row.scope, now, expired_extents=1, expired_bytes=row.size_bytes
             )
@@ -77,6 +79,8 @@ def collect(
     )
     temporary = kv.store_backend.sweep_temporary(older_than=now - orphan_grace)
     try:
+        with kv.db.write() as session:  # leases of nodes that stopped renewing them
+            leases.drop_lapsed(session, time.time())
         kv.meter.flush(kv.db)
         _audit_maintenance(kv, now)
     except SQLAlchemyError as err:  # metering and summaries are retried at the next run
@@ -120,9 +124,11 @@ def _sweep_orphans(
     for start in range(0, len(existing), _BATCH):
         batch = existing[start : start + _BATCH]
         with kv.db.read() as session:
-            indexed = set(session.scalars(select(Extent.id).where(Extent.id.in_(batch))).all())
+            indexed = extents.indexed(session, batch)
+            # An evicted extent a load still reads is unindexed but not an orphan yet.
+            indexed |= leases.leased(session, batch, time.time())
         for extent_id in batch:
-            if extent_id in indexed or extent_id in kv.pinned_extents():
+            if extent_id in indexed:
                 continue
             try:
                 if kv.store_backend.modified_at(extent_id) > cutoff:

@@ -75,6 +75,18 @@ class Keyring:
             for version in versions:
                 self._data_keys.pop((tenant_id, version), None)
 
+    def clear(self) -> None:
+        """Drop every cached clear key (another node changed some tenant's keys); keys are
+        unwrapped again from the index on their next use."""
+        with self._lock:
+            self._data_keys.clear()
+            self._namespace_keys.clear()
+
+    def cached_tenants(self) -> set[bytes]:
+        """Tenants with a clear data key in this process's memory."""
+        with self._lock:
+            return {tenant_id for tenant_id, _version in self._data_keys}
+
     def forget_tenant(self, tenant_id: bytes, namespace_ids: list[bytes]) -> None:
         """Drop a tenant's cached clear keys (after its wrapped keys were destroyed)."""
         with self._lock:

@@ -63,16 +63,30 @@ from .read_plan import ReadPlan, Run
 from .staging import Slot, StagingRing
 from .storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
 
+#: Failure classes of an extent: its bytes failed to open (tampering or corruption: a
+#: security event), are gone or shorter than indexed (lost: a miss, not evidence of an
+#: attack -- a shared tier evicted them, a disk lost them), or could not be read (I/O).
+INTEGRITY, LOST, IO = "integrity", "lost", "io"
+
 
 class ExtentFailure(Exception):
     """Internal: one extent of a plan could not be read or opened."""
 
-    def __init__(self, extent_id: str, layer: int, cause: Exception, integrity: bool) -> None:
+    def __init__(self, extent_id: str, layer: int, cause: Exception, kind: str) -> None:
         super().__init__(f"extent {extent_id} layer {layer}: {cause}")
+        assert kind in (INTEGRITY, LOST, IO), f"unknown failure class {kind!r}"
         self.extent_id = extent_id
         self.layer = layer
         self.cause = cause
-        self.integrity = integrity
+        self.kind = kind
+
+    @property
+    def integrity(self) -> bool:
+        return self.kind == INTEGRITY
+
+    @property
+    def lost(self) -> bool:
+        return self.kind == LOST
 
 
 class _Cancelled(Exception):
@@ -88,8 +102,9 @@ FIRST_LAYER_HANDOVER_S = 0.002
 def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
     """Open every extent of ``plan`` and check its size and header against the index.
 
-    Raises :class:`ExtentFailure` after closing whatever it opened: an integrity failure for a
-    missing, truncated or relabelled extent, a plain one for an I/O error.
+    Raises :class:`ExtentFailure` after closing whatever it opened: *lost* for a missing or
+    short extent, *integrity* for one that is longer than indexed or whose header names
+    another geometry, *io* for an I/O error.
     """
     readers: dict[str, ExtentReader] = {}
     try:
@@ -101,12 +116,17 @@ def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
                 header = bytearray(HEADER_BYTES)
                 reader.readinto(0, [header])
             except (ExtentNotFoundError, ShortReadError) as err:
-                raise ExtentFailure(extent.extent_id, 0, err, integrity=True) from err
+                raise ExtentFailure(extent.extent_id, 0, err, LOST) from err
             except StorageError as err:  # EMFILE, EIO, ...: not evidence of tampering
-                raise ExtentFailure(extent.extent_id, 0, err, integrity=False) from err
+                raise ExtentFailure(extent.extent_id, 0, err, IO) from err
+            if reader.size < geometry.total_bytes:
+                cause = ShortReadError(
+                    f"extent holds {reader.size} of {geometry.total_bytes} indexed bytes"
+                )
+                raise ExtentFailure(extent.extent_id, 0, cause, LOST)
             if reader.size != geometry.total_bytes or not geometry.matches_header(bytes(header)):
                 cause = SealOpenError("extent size or header does not match the index")
-                raise ExtentFailure(extent.extent_id, 0, cause, integrity=True)
+                raise ExtentFailure(extent.extent_id, 0, cause, INTEGRITY)
     except BaseException:
         for reader in readers.values():
             reader.close()
@@ -357,7 +377,7 @@ class LoadStream:
             with self._lock:
                 if self._broken is None:
                     cause = err if isinstance(err, Exception) else RuntimeError(repr(err))
-                    self._broken = ExtentFailure("?", layer, cause, integrity=False)
+                    self._broken = ExtentFailure("?", layer, cause, IO)
                 self._failure_handled = True
                 self._leave(slot)
             raise
@@ -479,12 +499,14 @@ class LoadStream:
     def _classify(extent_id: str, layer: int, err: BaseException) -> BaseException:
         if isinstance(err, _Cancelled | ExtentFailure):
             return err
-        if isinstance(err, SealOpenError | ShortReadError | ExtentNotFoundError):
-            return ExtentFailure(extent_id, layer, err, integrity=True)
+        if isinstance(err, SealOpenError):
+            return ExtentFailure(extent_id, layer, err, INTEGRITY)
+        if isinstance(err, ShortReadError | ExtentNotFoundError):
+            return ExtentFailure(extent_id, layer, err, LOST)
         if isinstance(err, RuntimeError) and "shutdown" in str(err):
             return _Cancelled()  # the cache's pools were shut down under us
         if isinstance(err, Exception):  # StorageError (EMFILE, EIO, ...), or a bug
-            return ExtentFailure(extent_id, layer, err, integrity=False)
+            return ExtentFailure(extent_id, layer, err, IO)
         return _Cancelled()  # KeyboardInterrupt and the like: stop, as if closed
 
     # ---- consumer side -------------------------------------------------------------------------
@@ -580,6 +602,13 @@ class LoadStream:
                     error: LoadError = SegmentIntegrityError(
                         f"a stored segment of layer {failure.layer} failed to open; the cached "
                         f"prefix was dropped ({delivered} layers from layer 0 had been "
+                        "delivered intact)",
+                        delivered_layers=delivered,
+                    )
+                elif failure.lost:
+                    error = LoadError(
+                        f"the bytes of layer {failure.layer} are gone ({failure.cause}); the "
+                        f"cached prefix was dropped ({delivered} layers from layer 0 had been "
                         "delivered intact)",
                         delivered_layers=delivered,
                     )

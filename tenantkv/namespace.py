@@ -8,6 +8,7 @@ namespaces: each has its own hashing key, so identical tokens give unrelated blo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sqlalchemy import delete, func, select
+from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from .audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
@@ -31,6 +32,7 @@ from .errors import (
     TenantNotFoundError,
 )
 from .extent_format import ExtentGeometry
+from .health import LOST_EXTENTS
 from .index.plan import ExtentRow, locate_blocks, record_use
 from .index.schema import Block, DataKey, Extent, Tenant
 from .layout import KVLayout
@@ -136,7 +138,8 @@ class Namespace:
     def lookup(self, tokens: Any) -> int:
         """Length of the longest cached prefix of ``tokens`` (a multiple of 64; 0 on a miss).
 
-        Index failures degrade to 0 (logged) unless the cache was opened with ``strict=True``.
+        Index failures degrade to 0 (logged, counted, not metered) unless the cache was opened
+        with ``strict=True``.
         """
         self._kv.check_open()
         token_array = as_token_array(tokens)
@@ -146,9 +149,9 @@ class Namespace:
             try:
                 present = self._present_keys(keys, stop_at_gap=True)
             except SQLAlchemyError as err:
-                hit = self._degrade("lookup", err, 0)
-            else:
-                hit = self._run_from_zero(keys, present) * BLOCK_TOKENS
+                # An index outage is the operator's, not a miss to bill to the tenant.
+                return self._kv.serving.degrade("lookup", err, 0)
+            hit = self._run_from_zero(keys, present) * BLOCK_TOKENS
         self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
         return hit
 
@@ -162,7 +165,7 @@ class Namespace:
         try:
             present = self._present_keys(keys, stop_at_gap=True)
         except SQLAlchemyError as err:
-            return self._degrade("cached_length", err, 0)
+            return self._kv.serving.degrade("cached_length", err, 0)
         return self._run_from_zero(keys, present) * BLOCK_TOKENS
 
     # ---- store --------------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class Namespace:
                 return 0
             return self._store_blocks(keys, positions, rows, start // BLOCK_TOKENS, kind, settings)
         except (SQLAlchemyError, StorageError) as err:
-            return self._degrade("store", err, 0)
+            return self._kv.serving.degrade("store", err, 0)
 
     def _tenant_settings(self) -> tuple[int, bytes, int, dict[str, float]]:
         """(key version, data key, quota bytes, retention) of the tenant, now."""
@@ -444,7 +447,7 @@ class Namespace:
                 session.execute(delete(Extent).where(Extent.id == extent_id))
             else:
                 evicted = make_room(
-                    session, tenant_id, quota, now, self._kv.pinned_extents(), keep=extent_id
+                    session, tenant_id, quota, now, lease_now=time.time(), keep=extent_id
                 )
         return int(inserted or 0), evicted
 
@@ -486,23 +489,27 @@ class Namespace:
             self.layout, target_device, len(keys), out, block_rows, self._kv.layer_pool
         )
         try:
-            plan = self._plan(keys)
+            plan, lease = self._plan_and_lease(keys)
         except SQLAlchemyError as err:
-            raise CacheMissError(f"index unavailable: {err}") from err
+            raise self._kv.serving.load_unavailable(err) from err
         try:
             readers = open_readers(self._kv.store_backend, plan)
         except ExtentFailure as failure:
+            self._kv.leases.release(lease)
             self._handle_failure(failure)
+            if failure.lost:
+                raise CacheMissError(
+                    f"a cached extent's bytes are gone ({failure.cause}); the prefix was dropped"
+                ) from failure.cause
             if not failure.integrity:
                 raise LoadError(
                     f"reading a cached extent failed: {failure.cause}", delivered_layers=0
                 ) from failure.cause
             raise SegmentIntegrityError(
-                "a cached extent is damaged or missing; the prefix was dropped", delivered_layers=0
+                "a cached extent is damaged; the prefix was dropped", delivered_layers=0
             ) from failure.cause
         extent_ids = [extent.extent_id for extent in plan.extents]
         started = self._kv.clock()
-        self._kv.pin_extents(extent_ids)  # a running load's extents are never evicted
         try:
             stream = LoadStream(
                 plan=plan,
@@ -516,10 +523,10 @@ class Namespace:
                 on_failure=self._handle_failure,
                 # Record the use after the load, off its critical path (the index write would
                 # otherwise compete for the interpreter with the first layer's workers).
-                on_close=lambda stream: self._finish_load(stream, extent_ids, started),
+                on_close=lambda stream: self._finish_load(stream, lease, extent_ids, started),
             )
         except BaseException:
-            self._kv.unpin_extents(extent_ids)
+            self._kv.leases.release(lease)
             for reader in readers.values():
                 reader.close()
             raise
@@ -541,7 +548,8 @@ class Namespace:
             cached = self._run_from_zero(keys, present)
             if cached == 0:
                 return 0
-            plan = self._plan(keys[:cached])
+            with self._kv.db.read_connection() as connection:
+                plan = self._plan(connection, keys[:cached])
             for run in plan.runs:
                 geometry = run.extent.geometry
                 ranges = [
@@ -550,7 +558,7 @@ class Namespace:
                 ]
                 self._kv.store_backend.prefetch(run.extent.extent_id, ranges)
         except (SQLAlchemyError, StorageError, CacheMissError) as err:
-            return self._degrade("prefetch", err, 0)
+            return self._kv.serving.degrade("prefetch", err, 0)
         return cached * BLOCK_TOKENS
 
     @staticmethod
@@ -565,7 +573,21 @@ class Namespace:
             raise InvalidRequestError(f"device {target} is not available")
         return target
 
-    def _plan(self, keys: list[BlockKey]) -> ReadPlan:
+    def _plan_and_lease(self, keys: list[BlockKey]) -> tuple[ReadPlan, bytes]:
+        """The read plan of ``keys`` and a lease on its extents, taken in one write
+        transaction: an extent this plan names cannot lose its bytes before the lease holds."""
+        lease: bytes | None = None
+        try:
+            with self._kv.db.write_connection() as connection:
+                plan = self._plan(connection, keys)
+                lease = self._kv.leases.acquire(connection, [e.extent_id for e in plan.extents])
+        except BaseException:
+            if lease is not None:  # the transaction that took it rolled back
+                self._kv.leases.forget(lease)
+            raise
+        return plan, lease
+
+    def _plan(self, connection: Connection, keys: list[BlockKey]) -> ReadPlan:
         """Where every block of ``keys`` lies, with the cipher of each extent; or CacheMissError.
 
         Every block must be indexed in this namespace with an unexpired extent, whose key
@@ -575,20 +597,19 @@ class Namespace:
         extents: dict[str, ExtentRow] = {}
         identity = self.identity
         now = self._kv.clock()
-        with self._kv.db.read_connection() as connection:
-            for start in range(0, len(keys), _QUERY_CHUNK):
-                chunk = keys[start : start + _QUERY_CHUNK]
-                found, rows = locate_blocks(
-                    connection,
-                    tenant_id=identity.tenant_id,
-                    namespace_id=identity.namespace_id,
-                    keys=chunk,
-                    now=now,
-                )
-                located.update(found)
-                extents.update(rows)
-                if len(found) < len(chunk):
-                    break
+        for start in range(0, len(keys), _QUERY_CHUNK):
+            chunk = keys[start : start + _QUERY_CHUNK]
+            found, rows = locate_blocks(
+                connection,
+                tenant_id=identity.tenant_id,
+                namespace_id=identity.namespace_id,
+                keys=chunk,
+                now=now,
+            )
+            located.update(found)
+            extents.update(rows)
+            if len(found) < len(chunk):
+                break
         cached = self._run_from_zero(keys, located)
         if cached < len(keys):
             raise CacheMissError(
@@ -614,21 +635,28 @@ class Namespace:
         cipher = ExtentCipher(data_key, row.salt, context, geometry.suite)
         return PlannedExtent(row.extent_id, geometry, cipher)
 
-    def _finish_load(self, stream: LoadStream, extent_ids: list[str], started: float) -> None:
-        """After a load: release its extents for eviction, meter it, record the use."""
-        self._kv.unpin_extents(extent_ids)
+    def _finish_load(
+        self, stream: LoadStream, lease: bytes, extent_ids: list[str], started: float
+    ) -> None:
+        """After a load: meter it; in the background, record the use and end the lease."""
         if stream.delivered_layers == stream.num_layers:
             self._meter(served_tokens=stream.num_tokens)
-        self._kv.submit_background(self._touch, extent_ids, started)
+        self._kv.submit_background(self._touch, lease, extent_ids, started)
 
-    def _touch(self, extent_ids: list[str], now: float) -> None:
-        """Mark extents as used at ``now``: their retention restarts and LRU eviction sees the
-        use. Bookkeeping only: never fails a load."""
+    def _touch(self, lease: bytes, extent_ids: list[str], now: float) -> None:
+        """Mark extents as used at ``now`` (their retention restarts and LRU eviction sees
+        the use) and end the load's lease, in one transaction; then remove the bytes of any
+        extent that left the index while the lease kept them. Bookkeeping only: never fails a
+        load (a lease that cannot be released lapses)."""
         try:
             with self._kv.db.write_connection() as connection:
                 record_use(connection, self.identity.tenant_id, extent_ids, now)
+                self._kv.leases.release(lease, connection)
         except SQLAlchemyError as err:
-            logger.warning("could not record extent use: %s", err)
+            logger.warning("could not record extent use or end a lease: %s", err)
+            self._kv.leases.release(lease)
+            return
+        self._kv.leases.remove_unindexed(extent_ids)
 
     def _meter(self, **counts: int) -> None:
         self._kv.meter.add(self.identity.tenant_id, self.scope or "", self._kv.clock(), **counts)
@@ -636,7 +664,8 @@ class Namespace:
     # ---- failures -----------------------------------------------------------------------------
 
     def _handle_failure(self, failure: ExtentFailure) -> None:
-        """Drop a damaged extent from the index and the store, and record a security event."""
+        """Integrity: drop the extent and record a security event. Lost: drop it from the index
+        and count it. I/O: log it (the bytes may well be intact)."""
         if failure.integrity:
             self._kv.record_security_event(
                 "segment_open_failed",
@@ -645,14 +674,14 @@ class Namespace:
                 SEGMENT_OPEN_FAILED,
             )
             self._kv.drop_extent(failure.extent_id)
+        elif failure.lost:
+            # Not evidence of an attack (a shared tier evicted it, a disk lost it): the index
+            # forgets it, so later lookups miss, and operators see a counter.
+            logger.warning("extent %s is lost: %s", failure.extent_id, failure.cause)
+            self._kv.health.count(LOST_EXTENTS)
+            self._kv.drop_extent(failure.extent_id)
         else:
             logger.warning("reading extent %s failed: %s", failure.extent_id, failure.cause)
-
-    def _degrade(self, operation: str, err: Exception, fallback: int) -> int:
-        if self._kv.strict:
-            raise CacheUnavailableError(f"{operation} failed: {err}") from err
-        logger.warning("%s degraded to a miss: %s", operation, err)
-        return fallback
 
     def cached_blocks(self) -> Iterator[int]:
         """Positions of this namespace's cached blocks (for checks and tests; no token data)."""

@@ -12,14 +12,14 @@ holds the later blocks of a prefix, so shorter prefixes stay usable.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from .errors import QuotaExceededError
-from .index.schema import Block, Extent, Tenant
+from .index import extents, leases
+from .index.schema import Extent, Tenant
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,19 @@ def make_room(
     tenant_id: bytes,
     quota: int,
     now: float,
-    pinned: Collection[str],
+    *,
+    lease_now: float,
     keep: str | None = None,
+    evict_leased: bool = False,
 ) -> list[Evicted]:
     """Delete the tenant's index rows of expired, then least recently used, extents until its
     bytes fit ``quota``; return what was deleted (the caller removes the bytes after commit).
 
-    ``keep`` (the extent being stored) and ``pinned`` extents are never chosen. Raises
-    QuotaExceededError, changing nothing, when that is not enough.
+    ``keep`` (the extent being stored) is never chosen, nor is an extent that a running load
+    on any node holds a lease on (at ``lease_now``, wall clock) -- unless ``evict_leased``
+    (an operator lowering the quota): then leased extents go last, leaving the index at once
+    while their bytes stay until the lease ends. Raises QuotaExceededError, changing nothing,
+    when that is not enough.
     """
     used = tenant_bytes(session, tenant_id)
     if used <= quota:
@@ -74,22 +79,21 @@ def make_room(
             Extent.created_at.desc(),
         )
     ).all()
+    held = leases.leased(session, [row.id for row in candidates], lease_now)
     chosen: list[Evicted] = []
-    for extent_id, namespace_id, size, expires_at in candidates:
-        if used <= quota:
-            break
-        if extent_id == keep or extent_id in pinned:
-            continue
-        chosen.append(Evicted(extent_id, namespace_id, size, expires_at <= now))
-        used -= size
+    passes = (False, True) if evict_leased else (False,)
+    for take_leased in passes:
+        for extent_id, namespace_id, size, expires_at in candidates:
+            if used <= quota:
+                break
+            if extent_id == keep or (extent_id in held) != take_leased:
+                continue
+            chosen.append(Evicted(extent_id, namespace_id, size, expires_at <= now))
+            used -= size
     if used > quota:
         raise QuotaExceededError(
             f"the tenant's quota of {quota} bytes cannot take this store: {used} bytes would "
             "remain after evicting everything not in use by a running load"
         )
-    ids = [e.extent_id for e in chosen]
-    for start in range(0, len(ids), 500):
-        batch = ids[start : start + 500]
-        session.execute(delete(Block).where(Block.extent_id.in_(batch)))
-        session.execute(delete(Extent).where(Extent.id.in_(batch)))
+    extents.delete_rows(session, [e.extent_id for e in chosen])
     return chosen

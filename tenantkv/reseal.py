@@ -10,14 +10,16 @@ referenced blocks only. An extent that fails to open is dropped and recorded as 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import select, update
 
 from .audit import SEGMENT_OPEN_FAILED
 from .crypto import ExtentCipher, SealOpenError, SegmentContext, new_salt
 from .extent_format import ExtentGeometry
+from .index import extents, leases
 from .index.schema import Block, DataKey, Extent
 from .storage import StorageError
 
@@ -52,7 +54,9 @@ def reseal_tenant(kv: TenantKV, tenant: str, tenant_id: bytes, current: int) -> 
     new_key = _data_key(kv, tenant_id, current)
     resealed = dropped = skipped = 0
     for extent in extents:
-        if extent.id in kv.pinned_extents():
+        with kv.db.read() as session:  # checked per extent: loads start and end meanwhile
+            in_use = bool(leases.leased(session, [extent.id], time.time()))
+        if in_use:
             skipped += 1
             continue
         try:
@@ -142,8 +146,8 @@ def _reseal_one(kv: TenantKV, extent: Extent, new_key: bytes, version: int) -> N
                     .where(Block.namespace_id == extent.namespace_id, Block.block_key == block_key)
                     .values(extent_id=new_id, slot=new_slot)
                 )
-            session.execute(delete(Extent).where(Extent.id == extent.id))
+            extents.delete_rows(session, [extent.id])
     except BaseException:
         kv.store_backend.delete(new_id)
         raise
-    kv.delete_extent_file(extent.id)
+    kv.remover.remove_bytes([extent.id])

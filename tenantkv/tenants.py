@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
+from .index import counters
 from .index.schema import DataKey, Extent, Namespace, Tenant
 from .quota import Evicted, make_room, tenant_bytes, total_quota
 from .retention import dumps as dumps_retention
@@ -173,7 +175,11 @@ def update_tenant(
         if quota_bytes is not None:
             _check_capacity(kv, session, quota_bytes, row.id)
             row.quota_bytes = quota_bytes
-            evicted = make_room(session, row.id, quota_bytes, now, kv.pinned_extents())
+            # The operator's quota takes effect now: a running load's extent leaves the
+            # index if it must, and its bytes stay until the load's lease ends.
+            evicted = make_room(
+                session, row.id, quota_bytes, now, lease_now=time.time(), evict_leased=True
+            )
         row.updated_at = now
         session.flush()
         info = _info(session, row)
@@ -220,6 +226,7 @@ def delete_tenant(kv: TenantKV, name: str, by: Attribution) -> int:
         session.execute(delete(DataKey).where(DataKey.tenant_id == tenant_id))
         session.execute(delete(Namespace).where(Namespace.tenant_id == tenant_id))
         session.delete(row)  # cascades: extents, blocks, usage
+        counters.bump(session, counters.KEY_EPOCH)  # other nodes drop its cached keys
         kv.audit.append(
             session,
             by.event(
@@ -232,10 +239,7 @@ def delete_tenant(kv: TenantKV, name: str, by: Attribution) -> int:
     kv.db.scrub_log()
     kv.keyring.forget_tenant(tenant_id, namespace_ids)
     kv.meter.forget_tenant(tenant_id)
-    removed = 0
-    for extent_id in extent_ids:
-        removed += kv.delete_extent_file(extent_id)
-    return removed
+    return kv.remover.remove_bytes(extent_ids)
 
 
 def rotate_keys(kv: TenantKV, name: str, by: Attribution) -> int:
@@ -249,6 +253,7 @@ def rotate_keys(kv: TenantKV, name: str, by: Attribution) -> int:
         )
         row.current_key_version = version
         row.updated_at = kv.clock()
+        counters.bump(session, counters.KEY_EPOCH)
         kv.audit.append(
             session, by.event(name, KEYS_ROTATE, name, details={"new_version": version})
         )

@@ -1,11 +1,19 @@
 """Tampered, moved, truncated or missing extents never yield wrong data.
 
 Every attack starts from a prefix the owner demonstrably has (lookup hits, the load returns exactly
-the stored bytes); then the extent file is attacked on disk. The load must then raise
-:class:`tenantkv.SegmentIntegrityError` (a :class:`tenantkv.LoadError`) whose ``delivered_layers``
-counts exactly the intact layers handed over before the damage, every layer handed over must be
-the exact stored data, the extent must be dropped from the index (the following lookup is shorter)
-and from disk, and a ``segment_open_failed`` security event must be recorded.
+the stored bytes); then the extent file is attacked on disk. Two failure classes follow:
+
+* bytes that fail to open (flipped, swapped, moved, relabelled, grown): the load raises
+  :class:`tenantkv.SegmentIntegrityError` (a :class:`tenantkv.LoadError`) whose
+  ``delivered_layers`` counts exactly the intact layers handed over before the damage, every
+  layer handed over is the exact stored data, the extent is dropped from the index (the
+  following lookup is shorter) and from disk, and a ``segment_open_failed`` security event is
+  recorded;
+* bytes that are gone or shorter than indexed (deleted, truncated) are *lost*: a miss
+  (:class:`tenantkv.CacheMissError`, before any layer), the index forgets the extent, the
+  ``lost_extents`` health counter grows, and no security event is recorded -- a shared tier
+  that evicted the bytes or a disk that lost them is not an attack, and a disk attacker can
+  always delete. Never wrong data, in either class.
 """
 
 from __future__ import annotations
@@ -125,6 +133,30 @@ def expect_integrity_failure(victim: Stored, expected_delivered: int) -> tenantk
     assert delivered == expected_delivered
     assert error.delivered_layers == expected_delivered
     return error
+
+
+def expect_lost(victim: Stored) -> None:
+    """Load a prefix whose bytes are gone or short: a miss, before any layer."""
+    with pytest.raises(tenantkv.CacheMissError):
+        victim.ns.load(victim.tokens)
+
+
+def assert_forgotten(kv: TenantKV, victim: Stored, *, lost: int = 1) -> None:
+    """A lost extent is out of the index and off disk, counted, and no security event."""
+    assert victim.ns.lookup(victim.tokens) == 0
+    assert not victim.extent.exists()
+    assert kv.health_counters().get("lost_extents", 0) == lost
+    assert kv.security_events().get(EVENT, 0) == 0
+
+
+def expect_failure(kv: TenantKV, attack_name: str, victim: Stored, delivered: int) -> None:
+    """The failure class the attack calls for, and its consequences."""
+    if attack_name in LOST_ATTACKS:
+        expect_lost(victim)
+        assert_forgotten(kv, victim)
+    else:
+        expect_integrity_failure(victim, delivered)
+        assert_dropped(kv, victim)
 
 
 def assert_dropped(kv: TenantKV, victim: Stored, *, remaining: int = 0, events: int = 1) -> None:
@@ -329,6 +361,12 @@ ATTACKS: dict[str, Attack] = {
     "delete": delete_extent,
 }
 
+# Attacks that leave the bytes gone or short: lost, not an integrity failure.
+LOST_ATTACKS = frozenset(
+    {f"truncate-{k}" for k in ("last-byte", "last-tag", "half", "header-only", "empty")}
+    | {"delete"}
+)
+
 # The whole attack list on the MLA layout, and a representative subset on MHA.
 MHA_ATTACKS = (
     "flip-ciphertext-middle",
@@ -362,9 +400,8 @@ def test_attack_never_returns_wrong_data(
     delivered = ATTACKS[attack_name](scene)
     # The index does not know yet: the lookup still claims the prefix ...
     assert scene.victim.ns.lookup(scene.victim.tokens) == NUM_TOKENS
-    # ... but the load refuses it, after handing over only intact layers.
-    expect_integrity_failure(scene.victim, delivered)
-    assert_dropped(kv, scene.victim)
+    # ... but the load refuses it, after handing over only intact layers (or none: lost).
+    expect_failure(kv, attack_name, scene.victim, delivered)
     if scene.bystander is not None:
         # The namespace whose bytes were borrowed is untouched and still loads exactly.
         assert scene.bystander.extent.exists()
@@ -465,14 +502,14 @@ def test_storing_again_after_a_failure_recovers(
 ) -> None:
     scene = make_scene(kv, cache_root, MLA_SMALL)
     victim = scene.victim
-    expect_integrity_failure(victim, ATTACKS[attack_name](scene))
-    assert_dropped(kv, victim)
+    expect_failure(kv, attack_name, victim, ATTACKS[attack_name](scene))
+    events = kv.security_events().get(EVENT, 0)
     # The owner stores the same prefix again: it is stored anew and loads exactly.
     again = store_prefix(kv, cache_root, "acme", MLA_SMALL, victim.tokens, seed=1)
     assert again.extent != victim.extent
     assert again.expected == victim.expected
     assert load_bytes(again.ns, victim.tokens) == victim.expected
-    assert kv.security_events()[EVENT] == 1  # the recovery raised nothing new
+    assert kv.security_events().get(EVENT, 0) == events  # the recovery raised nothing new
 
 
 def test_recovery_when_the_first_of_two_extents_was_dropped(kv: TenantKV, cache_root: Path) -> None:
@@ -481,11 +518,12 @@ def test_recovery_when_the_first_of_two_extents_was_dropped(kv: TenantKV, cache_
     tokens = random_tokens(NUM_TOKENS, seed=3)
     first, whole = store_two_extents(kv, cache_root, layout, tokens, seed=3)
     first.extent.unlink()
-    expect_integrity_failure(whole, 0)
+    expect_lost(whole)  # the first extent's bytes are gone: a miss, not an attack
     assert whole.ns.lookup(tokens) == 0
     assert whole.extent.exists()
+    assert kv.health_counters()["lost_extents"] == 1
     again = store_prefix(kv, cache_root, "acme", layout, tokens, seed=3, new_tokens=64)
     assert again.geometry.num_blocks == 1
     assert whole.ns.lookup(tokens) == NUM_TOKENS
     assert load_bytes(whole.ns, tokens) == whole.expected
-    assert kv.security_events()[EVENT] == 1
+    assert kv.security_events().get(EVENT, 0) == 0

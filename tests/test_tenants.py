@@ -595,13 +595,18 @@ def test_lowering_the_quota_evicts_down_to_it(
     usage = cache.usage("a").counters
     assert usage["evicted_extents"] == 2 and usage["evicted_bytes"] == 2 * extent_bytes
     assert cache.usage("b").counters["evicted_extents"] == 0
-    # a quota that only evicting a running load's extents could meet is refused, unchanged
-    with ns.load(ps[2].tokens), ns.load(ps[3].tokens):
-        with pytest.raises(QuotaExceededError):
-            cache.update_tenant("a", quota_bytes=extent_bytes)
-        assert cache.get_tenant("a").quota_bytes == 2 * extent_bytes
-        assert [ns.lookup(p.tokens) for p in ps[2:]] == [64, 64]
-    assert cache.update_tenant("a", quota_bytes=extent_bytes).used_bytes == extent_bytes
+    # the operator's quota takes effect at once even over running loads: the LRU extent leaves
+    # the index now, and its bytes stay until the load that reads it ends
+    with ns.load(ps[2].tokens) as first, ns.load(ps[3].tokens) as second:
+        info = cache.update_tenant("a", quota_bytes=extent_bytes)
+        assert info.quota_bytes == extent_bytes and info.used_bytes == extent_bytes
+        assert [ns.lookup(p.tokens) for p in ps[2:]] == [0, 64]
+        assert extent_path(cache_root, ids[2]).exists()  # still being read
+        assert all(layers_equal(a, b) for (_, a), b in zip(first, ps[2].layers, strict=True))
+        assert all(layers_equal(a, b) for (_, a), b in zip(second, ps[3].layers, strict=True))
+    wait_for(lambda: not extent_path(cache_root, ids[2]).exists())  # the lease's end frees it
+    assert extent_files(cache_root) == {ids[3], other_id}
+    assert cache.security_events().get("segment_open_failed") is None
 
 
 def test_store_prefers_evicting_expired_extents_over_lru(

@@ -23,6 +23,8 @@ from tenantkv.integrations.transformers import (  # noqa: E402
     model_identity,
 )
 
+from .helpers import wait_for_no_leases  # noqa: E402
+
 VOCAB = 512
 
 
@@ -381,12 +383,12 @@ def test_streamed_restore_generates_the_same_as_full_prefill(tenants: TenantKV, 
     # Nothing handed over yet: the model starts with positions and masks only.
     assert feed.stream.delivered_layers == 0
     assert restored.cache.get_seq_length() == 256
-    assert tenants.pinned_extents()  # a running load's extent cannot be evicted
+    assert tenants.leased_extents()  # a running load's extent cannot be evicted
 
     after_restore = _generate(model, follow_up, cache=restored.cache, new=16)
     assert torch.equal(after_restore.sequences, _generate(model, follow_up, new=16).sequences)
     assert feed.stream.closed and feed.stream.delivered_layers == len(layers)
-    assert not tenants.pinned_extents()
+    wait_for_no_leases(tenants)
     # The streamed cache is an ordinary cache afterwards: saving it stores the new full block
     # (272 + 60 + 16 - 1 = 347 cached tokens: blocks 0-4, of which 0-3 were restored).
     assert prefixes.save(after_restore.sequences, after_restore.cache) == 64
@@ -403,11 +405,11 @@ def test_a_streamed_restore_that_is_never_used_releases_its_load(tenants: Tenant
     restored = prefixes.restore(prompt, streaming=True)
     assert restored.num_tokens == 192 and restored.cache is not None
     stream = restored.cache.layers[0]._feed.stream
-    assert tenants.pinned_extents()
+    assert tenants.leased_extents()
     del restored
     gc.collect()
     assert stream.closed
-    assert not tenants.pinned_extents()
+    wait_for_no_leases(tenants)
 
 
 def test_a_streamed_restore_that_fails_mid_way_raises_and_drops_the_prefix(
@@ -431,7 +433,7 @@ def test_a_streamed_restore_that_fails_mid_way_raises_and_drops_the_prefix(
     assert failure.value.delivered_layers < model.config.num_hidden_layers
     assert prefixes.lookup(prompt) == 0  # evicted before the error was raised
     assert tenants.security_events().get("segment_open_failed", 0) == 1
-    assert not tenants.pinned_extents()
+    wait_for_no_leases(tenants)
     # the caller's retry without the cache is a plain full prefill
     retry = prefixes.restore(prompt, streaming=True)
     assert retry.cache is None
@@ -461,4 +463,4 @@ def test_streamed_layers_arrive_in_order_and_later_layers_repeat_a_failure(
         _ = restored.cache.layers[1].keys
     with pytest.raises(tenantkv.CacheClosedError):  # the same error, not an ordering complaint
         _ = restored.cache.layers[2].keys
-    assert not tenants.pinned_extents()
+    wait_for_no_leases(tenants)

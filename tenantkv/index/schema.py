@@ -124,3 +124,31 @@ class Block(Base):
     position: Mapped[int]  # index of the block inside the prefix (0 = first 64 tokens)
     stored_at: Mapped[float]
     last_used_at: Mapped[float]
+
+
+class Lease(Base):
+    """A node's claim on an extent it is reading: while a live lease exists no node deletes the
+    extent's bytes, and eviction, GC, re-sealing and purges pass it over.
+
+    Rows, not process memory, so that every node sharing the index honours every other node's
+    loads. A lease expires unless its node renews it, so a crashed node's claims lapse.
+    """
+
+    __tablename__ = "tkv_leases"
+    __table_args__ = (Index("ix_tkv_leases_extent", "extent_id"),)
+
+    lease_id: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
+    extent_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(64), index=True)
+    expires_at: Mapped[float] = mapped_column(index=True)
+
+
+class Counter(Base):
+    """A named counter every node reads: ``key_epoch`` grows with every change to any tenant's
+    keys (rotation, retirement, deletion), so each node's keyring notices changes made by
+    another node and drops the clear keys it cached."""
+
+    __tablename__ = "tkv_counters"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)

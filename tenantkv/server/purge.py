@@ -8,13 +8,15 @@ without bytes). Extents a running load has pinned are left alone and counted as 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 
 from ..errors import TenantNotFoundError
-from ..index.schema import Block, Extent, Namespace, Tenant
+from ..index import extents, leases
+from ..index.schema import Extent, Namespace, Tenant
 from .caller import Caller
 
 if TYPE_CHECKING:
@@ -34,7 +36,6 @@ def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> Purge
     """Remove every extent of ``tenant`` (of ``scope`` only, if given; ``""`` is the tenant-wide
     scope); raise TenantNotFoundError if there is no such tenant."""
     kv.check_open()
-    pinned = kv.pinned_extents()
     with kv.db.write() as session:
         tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
         if tenant_id is None:
@@ -45,12 +46,10 @@ def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> Purge
                 Namespace.scope == scope
             )
         rows = session.execute(query).all()
-        chosen = [(row.id, int(row.size_bytes)) for row in rows if row.id not in pinned]
+        held = leases.leased(session, [row.id for row in rows], time.time())
+        chosen = [(row.id, int(row.size_bytes)) for row in rows if row.id not in held]
         ids = [extent_id for extent_id, _ in chosen]
-        for start in range(0, len(ids), 500):
-            batch = ids[start : start + 500]
-            session.execute(delete(Block).where(Block.extent_id.in_(batch)))
-            session.execute(delete(Extent).where(Extent.id.in_(batch)))
+        extents.delete_rows(session, ids)
         report = PurgeReport(
             extents=len(chosen),
             bytes=sum(size for _, size in chosen),
@@ -70,6 +69,5 @@ def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> Purge
                 },
             ),
         )
-    for extent_id in ids:  # bytes second
-        kv.delete_extent_file(extent_id)
+    kv.remover.remove_bytes(ids)  # bytes second
     return report

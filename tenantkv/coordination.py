@@ -1,0 +1,173 @@
+"""What one node does to stay in step with the others sharing its index.
+
+* :class:`LeaseKeeper` takes, renews and releases this node's leases on extents being read
+  (see :mod:`tenantkv.index.leases`); after a release it removes the bytes of extents that left
+  the index while the load read them.
+* :class:`KeyEpochWatcher` notices key changes made by any node (rotation, retirement, a
+  deletion) and makes the local keyring drop the clear keys it cached.
+
+One daemon thread per cache does both, every few seconds; the hot path only touches the
+index in the transactions it runs anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Collection
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
+
+from .extent_removal import ExtentRemover
+from .index import counters, extents, leases
+from .index.database import Database
+from .keyring import Keyring
+
+logger = logging.getLogger("tenantkv")
+
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+def new_node_id() -> str:
+    """A name for this process among the nodes: readable, and unique thanks to the suffix."""
+    return f"{socket.gethostname()[:32]}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class LeaseKeeper:
+    """This node's leases: one per running load, renewed until released."""
+
+    def __init__(
+        self,
+        db: Database,
+        remover: ExtentRemover,
+        *,
+        node_id: str,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be positive")
+        self.node_id = node_id
+        self.lease_seconds = lease_seconds
+        self._db = db
+        self._remover = remover
+        self._wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self._active: dict[bytes, tuple[str, ...]] = {}
+
+    def acquire(self, connection: Connection, extent_ids: Collection[str]) -> bytes:
+        """Lease ``extent_ids`` in the caller's write transaction (the one that planned the
+        load, so no node removes them between the plan and the lease); return the lease id."""
+        lease_id = secrets.token_bytes(16)
+        until = self._wall_clock() + self.lease_seconds
+        leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
+        with self._lock:
+            self._active[lease_id] = tuple(extent_ids)
+        return lease_id
+
+    def forget(self, lease_id: bytes) -> None:
+        """The transaction that took ``lease_id`` rolled back: stop renewing it."""
+        with self._lock:
+            self._active.pop(lease_id, None)
+
+    def release(self, lease_id: bytes, connection: Connection | None = None) -> None:
+        """End a lease (in ``connection``'s transaction if given, else in one of its own), then
+        remove the bytes of its extents that were deleted from the index meanwhile."""
+        with self._lock:
+            extent_ids = self._active.pop(lease_id, ())
+        try:
+            if connection is not None:
+                leases.release(connection, lease_id)
+            else:
+                with self._db.write_connection() as own:
+                    leases.release(own, lease_id)
+        except SQLAlchemyError as err:  # the lease lapses by itself
+            logger.warning("could not release a lease (it lapses in time): %s", err)
+            return
+        if connection is None:
+            self.remove_unindexed(extent_ids)
+
+    def remove_unindexed(self, extent_ids: Collection[str]) -> None:
+        """After a release committed: delete the bytes of extents that left the index while the
+        lease kept them (the remover skips those another lease still holds)."""
+        if not extent_ids:
+            return
+        try:
+            with self._db.read() as session:
+                gone = set(extent_ids) - extents.indexed(session, extent_ids)
+        except SQLAlchemyError as err:
+            logger.warning("could not check released extents (left for the sweep): %s", err)
+            return
+        if gone:
+            self._remover.remove_bytes(gone)
+
+    def active(self) -> dict[bytes, tuple[str, ...]]:
+        with self._lock:
+            return dict(self._active)
+
+    def renew(self) -> None:
+        """Extend every running load's lease by a full lifetime."""
+        ids = list(self.active())
+        if not ids:
+            return
+        with self._db.write_connection() as connection:
+            leases.renew(connection, ids, self._wall_clock() + self.lease_seconds)
+
+    def release_all(self) -> None:
+        """At close: give back every lease this node still holds."""
+        for lease_id in list(self.active()):
+            self.release(lease_id)
+
+
+class KeyEpochWatcher:
+    """Drops the keyring's clear keys when any node changed any tenant's keys."""
+
+    def __init__(self, db: Database, keyring: Keyring) -> None:
+        self._db = db
+        self._keyring = keyring
+        self._seen: int | None = None
+
+    def check(self) -> bool:
+        """Read the epoch; on a change since the last check, clear the keyring. Returns
+        whether it cleared."""
+        with self._db.read_connection() as connection:
+            epoch = counters.read(connection, counters.KEY_EPOCH)
+        changed = self._seen is not None and epoch != self._seen
+        self._seen = epoch
+        if changed:
+            self._keyring.clear()
+        return changed
+
+
+class CoordinationThread:
+    """Renews leases and watches the key epoch every ``interval`` seconds until stopped."""
+
+    def __init__(
+        self, keeper: LeaseKeeper, watcher: KeyEpochWatcher, interval: float | None = None
+    ) -> None:
+        self._keeper = keeper
+        self._watcher = watcher
+        self._interval = interval or min(2.0, keeper.lease_seconds / 3)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tenantkv-coord", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._keeper.renew()
+                self._watcher.check()
+            except SQLAlchemyError as err:
+                logger.warning("lease renewal or key-epoch check failed (retrying): %s", err)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()

@@ -1,0 +1,32 @@
+"""Operational counters of one process: what went wrong that is not a security event.
+
+A lost extent (bytes gone or short) and an operation that degraded to a miss because the index
+or block store failed are the operator's business, not an attack and not the tenant's bill:
+they are counted here (and logged), while :mod:`tenantkv.security_events` keeps what may be
+an attack.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+#: Names counted: ``lost_extents``; ``degraded_<operation>`` for lookup, cached_length,
+#: store, load and prefetch.
+LOST_EXTENTS = "lost_extents"
+
+
+class HealthCounters:
+    """Thread-safe counters by name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
