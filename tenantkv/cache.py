@@ -10,6 +10,7 @@ import shutil
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -20,23 +21,21 @@ from typing import Any, Self
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from . import config, tenants
+from . import tenants
 from .audit import FAILURE, KEYS_RETIRE, ROLE_OPERATOR, Attribution, AuditLog
 from .buffers import RecyclingPool
+from .config import CacheConfig, block_store_path
 from .coordination import (
-    DEFAULT_LEASE_SECONDS,
     CoordinationThread,
     KeyEpochWatcher,
     LeaseKeeper,
     new_node_id,
 )
 from .crypto import (
-    DEFAULT_SUITE,
     CipherSuite,
     KeyEncryptionKey,
     KeyWrapper,
     MasterKeyError,
-    MasterKeyProvider,
     SealOpenError,
     default_master_key_provider,
     new_key,
@@ -51,20 +50,21 @@ from .extent_removal import ExtentRemover
 from .gc import BackgroundGc, GcReport, Progress
 from .gc import collect as gc_collect
 from .health import HealthCounters
-from .index import counters, extents, leases
+from .index import capacity, counters, extents, leases
 from .index.database import Database
 from .index.schema import Block, DataKey, Extent, SchemaInfo, Tenant
 from .index.schema import Namespace as NamespaceRow
+from .keyring import Keyring
 from .layout import KVLayout
 from .loader import LoadStream
-from .metering import DEFAULT_HIT_COST, Meter, UsageReport, read_usage
+from .metering import Meter, UsageReport, read_usage
 from .namespace import Namespace, NamespaceIdentity
 from .prefix import model_fingerprint
 from .quota import Evicted, total_quota
 from .reseal import reseal_tenant
 from .security_events import SecurityEvent, SecurityEventLog
 from .serving import ServingPolicy
-from .staging import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES, RingStats, StagingRing
+from .staging import RingStats, StagingRing
 from .storage import BlockStore, LocalBlockStore
 from .tenants import TenantInfo
 
@@ -74,7 +74,6 @@ _MAX_SCOPE = 256
 _MAX_MODEL = 256
 _CAPACITY = "capacity_bytes"
 _OVERCOMMIT = "allow_overcommit"
-DEFAULT_QUOTA_BYTES = 2**30
 _KEY_CHECK = "master_key_check"
 _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
 
@@ -90,71 +89,55 @@ class TenantKV:
 
     def __init__(
         self,
+        config: CacheConfig,
         *,
-        root: Path,
         database: Database,
         block_store: BlockStore,
         key_wrapper: KeyWrapper,
-        suite: CipherSuite = DEFAULT_SUITE,
-        strict: bool = False,
-        workers: int | None = None,
-        load_threads: int | None = None,
-        window: int | None = None,
-        staging_bytes: int = DEFAULT_RING_BYTES,
-        staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
-        capacity_bytes: int | None = None,
-        allow_overcommit: bool | None = None,
-        default_quota_bytes: int = DEFAULT_QUOTA_BYTES,
-        hit_cost: float = DEFAULT_HIT_COST,
-        gc_interval: float | None = None,
-        lease_seconds: float = DEFAULT_LEASE_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        from .keyring import Keyring
-
-        self.root = root
+        self.config = config
+        self.root = config.root
         self.db = database
         self.store_backend = block_store
         self.keyring = Keyring(key_wrapper)
-        self.suite = suite
-        self.strict = strict
+        self.suite = config.suite
+        self.strict = config.strict
         self.clock = clock
         self.events = SecurityEventLog()
         self.health = HealthCounters()
-        self.serving = ServingPolicy(strict, self.health)
+        self.serving = ServingPolicy(config.strict, self.health)
         # Whom this process's own actions are recorded as (the admin service passes its callers).
         self.attribution = Attribution(
             f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR
         )
         self.log = logger
         self.meter = Meter()
-        self.default_quota_bytes = default_quota_bytes
-        self.hit_cost = hit_cost
+        self.default_quota_bytes = config.default_quota_bytes
+        self.hit_cost = config.hit_cost
         self.node_id = new_node_id()
         self.remover = ExtentRemover(database, block_store)
         self.leases = LeaseKeeper(
-            database, self.remover, node_id=self.node_id, lease_seconds=lease_seconds
+            database, self.remover, node_id=self.node_id, lease_seconds=config.lease_seconds
         )
         self._key_epoch = KeyEpochWatcher(database, self.keyring)
         self._coordination = CoordinationThread(self.leases, self._key_epoch)
         self._gc: BackgroundGc | None = None
-        self.workers = workers or os.cpu_count() or 1
+        self.workers = config.seal_threads
         # Layers a load keeps ready ahead of its caller (and a store seals ahead of its writes):
         # the next layers arrive while the caller works on one, and memory stays bounded.
-        self.window = window or max(2, self.workers)
+        self.window = config.read_ahead
         self.executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-seal")
         # Loads read and open chunks on their own pool, so a large store never delays a load's
         # first layer, and bookkeeping (recording block use) runs there in the background.
-        self.load_threads = load_threads or max(2, self.workers)
+        self.load_threads = config.load_threads
         self.load_executor = ThreadPoolExecutor(
             self.load_threads, thread_name_prefix="tenantkv-load"
         )
-        self._rings = {
-            False: StagingRing(staging_bytes, staging_slot_bytes),
-        }
-        self._ring_config = (staging_bytes, staging_slot_bytes)
+        self._ring_config = (config.staging_bytes, config.staging_slot_bytes)
+        self._rings = {False: StagingRing(*self._ring_config)}
         # Host memory for fresh CPU layers, recycled once callers drop them (see buffers.py).
-        self.layer_pool = RecyclingPool(max_bytes=256 * 2**20)
+        self.layer_pool = RecyclingPool(max_bytes=config.layer_pool_bytes)
         self._streams: weakref.WeakSet[LoadStream] = weakref.WeakSet()
         self._closed = False
         self._lock = threading.Lock()
@@ -164,9 +147,7 @@ class TenantKV:
             self.audit = AuditLog(key_wrapper, clock=clock)
             with self.db.write() as session:
                 self.audit.ensure_signing_key(session)
-            self.capacity_bytes, self.allow_overcommit = self._settle_capacity(
-                capacity_bytes, allow_overcommit
-            )
+            self._init_capacity()
             self._key_epoch.check()
         except BaseException:
             self.executor.shutdown(wait=False)
@@ -174,8 +155,8 @@ class TenantKV:
             self.db.close()
             raise
         self._coordination.start()
-        if gc_interval is not None:
-            self.start_background_gc(gc_interval)
+        if config.gc_interval is not None:
+            self.start_background_gc(config.gc_interval)
 
     def _check_master_key(self, wrapper: KeyWrapper) -> None:
         """Refuse a master key that is not the one this index was created with.
@@ -195,56 +176,98 @@ class TenantKV:
         except SealOpenError:
             raise MasterKeyError("the master key does not open this cache's index") from None
 
-    def _settle_capacity(
-        self, capacity_bytes: int | None, allow_overcommit: bool | None
-    ) -> tuple[int, bool]:
-        """The store's capacity and overcommit policy: given values are persisted (a change of
-        policy is recorded as a security event), otherwise the stored ones (or the defaults:
-        the size of the file system holding the root, no overcommit) apply."""
+    def _init_capacity(self) -> None:
+        """On the index's first open: the capacity is the size of the file system holding the
+        root, without overcommit (recorded like any change of it)."""
         with self.db.write() as session:
-            stored_capacity = session.get(SchemaInfo, _CAPACITY)
-            stored_overcommit = session.get(SchemaInfo, _OVERCOMMIT)
-            if capacity_bytes is None:
-                capacity = (
-                    int(stored_capacity.value)
-                    if stored_capacity is not None
-                    else shutil.disk_usage(self.root).total
-                )
-            else:
-                capacity = tenants.check_quota(capacity_bytes)
-            overcommit = (
-                stored_overcommit is not None and stored_overcommit.value == "1"
-                if allow_overcommit is None
-                else bool(allow_overcommit)
+            if capacity.read(session) is not None:
+                return
+            initial = capacity.Capacity(shutil.disk_usage(self.root).total, False)
+            capacity.write(session, initial)
+            self.audit.append(
+                session,
+                self.attribution.event(
+                    None,
+                    "capacity.update",
+                    "store",
+                    details={
+                        "capacity_bytes": initial.capacity_bytes,
+                        "allow_overcommit": initial.allow_overcommit,
+                    },
+                ),
             )
-            if not overcommit:
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The store's capacity, as the index holds it now (shared by every node)."""
+        return self._capacity().capacity_bytes
+
+    @property
+    def allow_overcommit(self) -> bool:
+        """Whether quotas may add up to more than the capacity (index state)."""
+        return self._capacity().allow_overcommit
+
+    def _capacity(self) -> capacity.Capacity:
+        with self.db.read() as session:
+            value = capacity.read(session)
+        assert value is not None, "the capacity is set when the index is first opened"
+        return value
+
+    def set_capacity(
+        self,
+        *,
+        capacity_bytes: int | None = None,
+        allow_overcommit: bool | None = None,
+        by: Attribution | None = None,
+    ) -> dict[str, Any]:
+        """Change the store's capacity and/or overcommit policy for every node (audited; a
+        change of overcommit is also a security event: it weakens isolation).
+
+        Without overcommit the sum of tenant quotas must fit the capacity, or this raises
+        QuotaExceededError and changes nothing. Returns the new values.
+        """
+        self.check_open()
+        if capacity_bytes is not None:
+            tenants.check_quota(capacity_bytes)
+        if allow_overcommit is not None and not isinstance(allow_overcommit, bool):
+            raise InvalidRequestError("allow_overcommit must be a boolean")
+        with self.db.write() as session:
+            stored = capacity.read(session)
+            assert stored is not None, "the capacity is set when the index is first opened"
+            new = capacity.Capacity(
+                stored.capacity_bytes if capacity_bytes is None else capacity_bytes,
+                stored.allow_overcommit if allow_overcommit is None else allow_overcommit,
+            )
+            if not new.allow_overcommit:
                 reserved = total_quota(session)
-                if reserved > capacity:
+                if reserved > new.capacity_bytes:
                     raise QuotaExceededError(
-                        f"tenants reserve {reserved} bytes, more than a capacity of {capacity}; "
-                        "raise the capacity, lower quotas, or allow overcommit"
+                        f"tenants reserve {reserved} bytes, more than a capacity of "
+                        f"{new.capacity_bytes}; raise the capacity, lower quotas, or allow "
+                        "overcommit"
                     )
-            previous_capacity = int(stored_capacity.value) if stored_capacity is not None else None
-            session.merge(SchemaInfo(name=_CAPACITY, value=str(capacity)))
-            previous = stored_overcommit.value == "1" if stored_overcommit is not None else False
-            session.merge(SchemaInfo(name=_OVERCOMMIT, value="1" if overcommit else "0"))
-            if overcommit != previous or capacity != previous_capacity:
+            if new != stored:
+                capacity.write(session, new)
                 self.audit.append(
                     session,
-                    self.attribution.event(
+                    (by or self.attribution).event(
                         None,
                         "capacity.update",
                         "store",
-                        details={"capacity_bytes": capacity, "allow_overcommit": overcommit},
+                        details={
+                            "capacity_bytes": new.capacity_bytes,
+                            "allow_overcommit": new.allow_overcommit,
+                        },
                     ),
                 )
-        if overcommit != previous:
+        if new.allow_overcommit != stored.allow_overcommit:
             self.events.record(
                 "overcommit_changed",
                 "",
-                f"quota overcommit {'allowed' if overcommit else 'disallowed'} by the operator",
+                f"quota overcommit {'allowed' if new.allow_overcommit else 'disallowed'} "
+                "by the operator",
             )
-        return capacity, overcommit
+        return {"capacity_bytes": new.capacity_bytes, "allow_overcommit": new.allow_overcommit}
 
     def record_security_event(self, kind: str, tenant: str, detail: str, action: str) -> None:
         """Log, count and audit a data-plane security event. Never raises: the serving path
@@ -615,86 +638,73 @@ class TenantKV:
 
 
 def open(
-    root: str | os.PathLike[str],
+    root_or_config: str | os.PathLike[str] | CacheConfig,
+    /,
     *,
-    database_url: str | None = None,
-    master_key: MasterKeyProvider | KeyWrapper | None = None,
     block_store: BlockStore | None = None,
-    suite: CipherSuite | str | int = DEFAULT_SUITE,
-    durable: bool = True,
-    strict: bool = False,
-    workers: int | None = None,
-    load_threads: int | None = None,
-    staging_bytes: int = DEFAULT_RING_BYTES,
-    staging_slot_bytes: int = DEFAULT_SLOT_BYTES,
+    clock: Callable[[], float] = time.time,
     capacity_bytes: int | None = None,
     allow_overcommit: bool | None = None,
-    default_quota_bytes: int = DEFAULT_QUOTA_BYTES,
-    hit_cost: float = DEFAULT_HIT_COST,
-    gc_interval: float | None = None,
-    lease_seconds: float = DEFAULT_LEASE_SECONDS,
-    clock: Callable[[], float] = time.time,
+    workers: int | None = None,
+    load_threads: int | None = None,
+    **settings: Any,
 ) -> TenantKV:
-    """Open (creating if needed) a cache rooted at ``root``.
+    """Open (creating if needed) a cache rooted at a directory, or as a :class:`CacheConfig`
+    says; ``settings`` override fields of the config (see :mod:`tenantkv.config` for every
+    setting and its default).
 
     Defaults are the embedded setup: SQLite index ``<root>/index.db`` (WAL), extents under
     ``<root>/blocks``, master key from ``TENANTKV_MASTER_KEY`` or the key file
     ``<root>/master.key`` (created 0600 on first use). ``strict=True`` raises
     CacheUnavailableError where the serving path would otherwise degrade to a miss.
 
-    ``workers`` threads (default one per core) seal stores; ``load_threads`` threads (default
-    ``max(2, workers)``) read and open the chunks of every load; ``staging_bytes`` (default
-    64 MiB) bounds the host memory all loads use for ciphertext in flight, in slots of
-    ``staging_slot_bytes`` (default 8 MiB).
+    ``block_store`` (an instance) replaces the one ``block_store_url`` names; ``clock`` is
+    injectable for tests (leases always use the wall clock, since every node must agree on
+    them). ``workers`` and ``load_threads`` are the older names of ``seal_workers`` and
+    ``load_workers``.
 
-    Quotas reserve capacity: ``capacity_bytes`` (persisted; default the size of the file system
-    holding the root) bounds the sum of tenant quotas unless ``allow_overcommit=True``
-    (persisted and recorded: it lets one tenant's growth crowd out another's reserved space).
-    ``default_quota_bytes`` (1 GiB) applies to tenants created without a quota; ``hit_cost``
-    (1/50) prices a token served from cache relative to a missed one; ``gc_interval`` starts a
-    background GC. ``lease_seconds`` (60) is how long a load's lease on its extents lasts
-    without renewal (a crashed node's leases lapse after it). ``clock`` is injectable for
-    tests; leases always use the wall clock, since every node must agree on them.
+    ``capacity_bytes`` and ``allow_overcommit`` are deprecated here: the capacity is index
+    state shared by every node; change it with :meth:`TenantKV.set_capacity` (audited). Given
+    here, they are applied the same way, once the cache is open.
     """
-    for name, value in (
-        ("staging_bytes", staging_bytes),
-        ("staging_slot_bytes", staging_slot_bytes),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InvalidRequestError(f"{name} must be a positive number of bytes")
-    if staging_bytes < staging_slot_bytes:
-        raise InvalidRequestError("staging_bytes must hold at least one staging slot")
-    try:
-        parsed_suite = CipherSuite.parse(suite)
-    except ValueError as err:
-        raise InvalidRequestError(str(err)) from None
-    root_path = Path(root)
-    root_path.mkdir(parents=True, exist_ok=True)
-    url = database_url or config.default_database_url(root_path)
+    config = (
+        root_or_config
+        if isinstance(root_or_config, CacheConfig)
+        else CacheConfig(root=Path(root_or_config))
+    )
+    if workers is not None:
+        settings.setdefault("seal_workers", workers)
+    if load_threads is not None:
+        settings.setdefault("load_workers", load_threads)
+    config = config.with_overrides(**settings)
+    config.root.mkdir(parents=True, exist_ok=True)
     wrapper: KeyWrapper
-    if master_key is None:
-        wrapper = KeyEncryptionKey(default_master_key_provider(root_path / "master.key").load())
-    elif isinstance(master_key, KeyWrapper):
-        wrapper = master_key
+    if config.master_key is None:
+        wrapper = KeyEncryptionKey(default_master_key_provider(config.root / "master.key").load())
+    elif isinstance(config.master_key, KeyWrapper):
+        wrapper = config.master_key
     else:
-        wrapper = KeyEncryptionKey(master_key.load())
-    store = block_store or LocalBlockStore(root_path / "blocks", durable=durable)
-    return TenantKV(
-        root=root_path,
-        database=Database(url),
+        wrapper = KeyEncryptionKey(config.master_key.load())
+    store = block_store or LocalBlockStore(
+        block_store_path(config.blocks_url), durable=config.durable
+    )
+    kv = TenantKV(
+        config,
+        database=Database(config.index_url),
         block_store=store,
         key_wrapper=wrapper,
-        suite=parsed_suite,
-        strict=strict,
-        workers=workers,
-        load_threads=load_threads,
-        staging_bytes=staging_bytes,
-        staging_slot_bytes=staging_slot_bytes,
-        capacity_bytes=capacity_bytes,
-        allow_overcommit=allow_overcommit,
-        default_quota_bytes=default_quota_bytes,
-        hit_cost=hit_cost,
-        gc_interval=gc_interval,
-        lease_seconds=lease_seconds,
         clock=clock,
     )
+    if capacity_bytes is not None or allow_overcommit is not None:
+        warnings.warn(
+            "open(capacity_bytes=, allow_overcommit=) is deprecated: the capacity is index "
+            "state shared by every node; call TenantKV.set_capacity() (audited)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        try:
+            kv.set_capacity(capacity_bytes=capacity_bytes, allow_overcommit=allow_overcommit)
+        except BaseException:
+            kv.close()
+            raise
+    return kv

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -26,14 +25,9 @@ from . import (
 )
 from . import open as open_cache
 from .cli_audit import register as register_audit_commands
+from .config import config_for_root, default_root
 from .gc import text_progress
 from .server.cli import register as register_server_commands
-
-DEFAULT_ROOT_ENV = "TENANTKV_ROOT"
-
-
-def _default_root() -> str:
-    return os.environ.get(DEFAULT_ROOT_ENV, "./tenantkv-data")
 
 
 def _print_table(rows: Sequence[tuple[str, str]]) -> None:
@@ -45,7 +39,7 @@ def _print_table(rows: Sequence[tuple[str, str]]) -> None:
 def _cmd_init(args: argparse.Namespace) -> int:
     from .server.auth import ensure_first_operator_token
 
-    with open_cache(args.root) as kv:
+    with open_cache(config_for_root(args.root)) as kv:
         token = ensure_first_operator_token(kv)
         info = kv.info()
     print(f"tenantkv {__version__}: cache ready at {Path(info['root']).resolve()}")
@@ -60,7 +54,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if not Path(args.root).exists():
         print(f"no cache at {args.root}; run `tenantkv init {args.root}` first", file=sys.stderr)
         return 1
-    with open_cache(args.root) as kv:
+    with open_cache(config_for_root(args.root)) as kv:
         info = kv.info()
         info["tenant_names"] = [t.name for t in kv.list_tenants()]
     if args.json:
@@ -178,7 +172,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     if not Path(args.root).exists():
         print(f"no cache at {args.root}", file=sys.stderr)
         return 1
-    with open_cache(args.root) as kv:
+    with open_cache(config_for_root(args.root)) as kv:
         report = kv.gc(orphan_grace=args.orphan_grace, progress=text_progress("gc"))
     print(
         f"gc: {report.expired_extents} expired extents ({report.expired_bytes / 2**20:.1f} MiB), "
@@ -204,16 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_cmd_demo)
 
     init = commands.add_parser("init", help="create a cache directory (index, key file)")
-    init.add_argument("root", nargs="?", default=_default_root())
+    init.add_argument("root", nargs="?", default=default_root())
     init.set_defaults(handler=_cmd_init)
 
     info = commands.add_parser("info", help="show what a cache holds")
-    info.add_argument("root", nargs="?", default=_default_root())
+    info.add_argument("root", nargs="?", default=default_root())
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(handler=_cmd_info)
 
     gc = commands.add_parser("gc", help="remove expired extents and orphaned files")
-    gc.add_argument("root", nargs="?", default=_default_root())
+    gc.add_argument("root", nargs="?", default=default_root())
     gc.add_argument(
         "--orphan-grace",
         type=float,

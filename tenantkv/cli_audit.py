@@ -31,13 +31,8 @@ from .audit import (
     AuditLog,
     verify_export,
 )
+from .config import config_for_root, default_root
 from .crypto import MasterKeyError
-
-DEFAULT_ROOT_ENV = "TENANTKV_ROOT"  # as cli.py; not imported from there (cli imports this module)
-
-
-def _default_root() -> str:
-    return os.environ.get(DEFAULT_ROOT_ENV, "./tenantkv-data")
 
 
 def parse_time(text: str) -> float:
@@ -110,7 +105,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print("tenantkv audit: --since must be before --until", file=sys.stderr)
         return 2
     try:
-        with open_cache(args.root) as kv:
+        with open_cache(config_for_root(args.root)) as kv:
             log = audit_log_of(kv)
             with kv.db.write() as session:  # the export is itself audited, before it runs
                 log.ensure_signing_key(session)
@@ -146,7 +141,7 @@ def _cmd_public_key(args: argparse.Namespace) -> int:
     from . import open as open_cache
 
     try:
-        with open_cache(args.root) as kv:
+        with open_cache(config_for_root(args.root)) as kv:
             log = audit_log_of(kv)
             with kv.db.write() as session:  # creates the key on first use
                 pem = log.public_key_pem(session)
@@ -188,7 +183,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     actions = audit.add_subparsers(dest="audit_command", required=True)
 
     export = actions.add_parser("export", help="stream the audit log (JSONL, CEF or OCSF)")
-    export.add_argument("root", nargs="?", default=_default_root())
+    export.add_argument("root", nargs="?", default=default_root())
     export.add_argument("--tenant", default=None, help="one tenant's chain (default: all chains)")
     export.add_argument("--since", type=parse_time, default=None, help="ISO 8601 or epoch s")
     export.add_argument("--until", type=parse_time, default=None, help="ISO 8601 or epoch s")
@@ -202,7 +197,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     verify.set_defaults(handler=_cmd_verify)
 
     public_key = actions.add_parser("public-key", help="print the checkpoint verification key")
-    public_key.add_argument("root", nargs="?", default=_default_root())
+    public_key.add_argument("root", nargs="?", default=default_root())
     public_key.set_defaults(handler=_cmd_public_key)
 
 

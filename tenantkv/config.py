@@ -1,14 +1,226 @@
-"""Where a cache keeps its parts by default.
+"""CacheConfig: every setting of a cache, and every default, in one place.
 
-The index defaults to SQLite beside the extents, under the cache's root; one function says so,
-so that every entry point (the library, the CLI, the admin service) agrees.
+The library (``tenantkv.open``), the CLI and the admin service all build a cache from a
+:class:`CacheConfig`, so they agree on where things live and how big things are. A config is
+frozen: a change is a new config (``dataclasses.replace`` or ``open(config, **overrides)``).
+``CacheConfig.from_env()`` reads ``TENANTKV_*`` variables for the CLI and the server; the library
+never reads the environment for settings (except the master key, see :mod:`tenantkv.crypto`).
+
+The store's capacity and whether quotas may overcommit it are not settings: they are index
+state shared by every node, changed only by an explicit, audited operator call
+(``TenantKV.set_capacity``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from .crypto import DEFAULT_SUITE, CipherSuite, KeyWrapper, MasterKeyProvider
+from .errors import InvalidRequestError
+
+DEFAULT_ROOT = "./tenantkv-data"
+ENV_PREFIX = "TENANTKV_"
+MiB = 2**20
 
 
 def default_database_url(root: Path) -> str:
     """The index of a cache rooted at ``root`` when no ``database_url`` is given."""
     return f"sqlite:///{root / 'index.db'}"
+
+
+def default_block_store_url(root: Path) -> str:
+    """Where extents live when no ``block_store_url`` is given: ``<root>/blocks``."""
+    return (root / "blocks").resolve().as_uri()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """How to open a cache. Every field has its default here and nowhere else.
+
+    ``database_url`` and ``block_store_url`` default to the embedded setup under ``root``
+    (SQLite ``<root>/index.db``, extents in ``<root>/blocks``); ``master_key`` to the key file
+    ``<root>/master.key`` (or ``TENANTKV_MASTER_KEY``).
+    """
+
+    root: Path = Path(DEFAULT_ROOT)
+    #: SQLAlchemy URL of the index: ``sqlite:///...`` or ``postgresql+psycopg://...``.
+    database_url: str | None = None
+    #: Where extents live: ``file:///mnt/kv`` (a local directory or a shared POSIX mount).
+    block_store_url: str | None = None
+    #: The master key: a provider (key file, environment, KMS hook) or a key wrapper.
+    master_key: MasterKeyProvider | KeyWrapper | None = None
+    #: AEAD suite new extents are sealed with (existing extents keep theirs).
+    suite: CipherSuite = DEFAULT_SUITE
+    #: fsync extents and directories before they become visible.
+    durable: bool = True
+    #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
+    strict: bool = False
+    #: Threads that seal stores (default: one per core).
+    seal_workers: int | None = None
+    #: Threads that read and open the chunks of every load (default: ``max(2, cores)``).
+    load_workers: int | None = None
+    #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes.
+    window: int | None = None
+    #: Host memory all loads use for ciphertext in flight, in slots of ``staging_slot_bytes``.
+    #: A chunk (one slot of ciphertext) costs a read, a lock round trip and Python
+    #: bookkeeping, so slots are large: 8 MiB holds half a layer of an 8K-token DeepSeek-V3
+    #: MLA prefix, and 8 slots still exceed the loader threads (docs/perf.md).
+    staging_bytes: int = 64 * MiB
+    staging_slot_bytes: int = 8 * MiB
+    #: Host memory kept for recycling fresh CPU layers once callers drop them.
+    layer_pool_bytes: int = 256 * MiB
+    #: Quota of a tenant created without one.
+    default_quota_bytes: int = 2**30
+    #: Price of a token served from cache relative to a missed one.
+    hit_cost: float = 1 / 50
+    #: Seconds between background GC runs (None: no background GC).
+    gc_interval: float | None = None
+    #: Unindexed files younger than this are spared by the orphan sweep (a store writes its
+    #: file just before it indexes it).
+    orphan_grace: float = 600.0
+    #: How long a load's lease on its extents lasts without renewal; a dead node's leases
+    #: lapse after it.
+    lease_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+        try:
+            object.__setattr__(self, "suite", CipherSuite.parse(self.suite))
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
+        for name in ("staging_bytes", "staging_slot_bytes", "layer_pool_bytes"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("default_quota_bytes", self.default_quota_bytes)
+        for name in ("seal_workers", "load_workers", "window"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive_int(name, value)
+        if self.staging_bytes < self.staging_slot_bytes:
+            raise InvalidRequestError("staging_bytes must hold at least one staging slot")
+        for name in ("lease_seconds", "hit_cost"):
+            _check_positive_number(name, getattr(self, name))
+        _check_positive_number("orphan_grace", self.orphan_grace, allow_zero=True)
+        if self.gc_interval is not None:
+            _check_positive_number("gc_interval", self.gc_interval)
+        if self.block_store_url is not None:
+            block_store_path(self.block_store_url)  # refuse an unsupported URL early
+
+    @property
+    def index_url(self) -> str:
+        return self.database_url or default_database_url(self.root)
+
+    @property
+    def blocks_url(self) -> str:
+        return self.block_store_url or default_block_store_url(self.root)
+
+    @property
+    def cores(self) -> int:
+        return os.cpu_count() or 1
+
+    @property
+    def seal_threads(self) -> int:
+        return self.seal_workers or self.cores
+
+    @property
+    def load_threads(self) -> int:
+        return self.load_workers or max(2, self.seal_threads)
+
+    @property
+    def read_ahead(self) -> int:
+        return self.window or max(2, self.seal_threads)
+
+    def with_overrides(self, **overrides: Any) -> CacheConfig:
+        """A copy with ``overrides`` applied; unknown names are an InvalidRequestError."""
+        known = {field.name for field in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown cache settings: {', '.join(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CacheConfig:
+        """A config from ``TENANTKV_<FIELD>`` variables (``TENANTKV_ROOT``,
+        ``TENANTKV_DATABASE_URL``, ``TENANTKV_BLOCK_STORE_URL``, ``TENANTKV_LOAD_WORKERS``,
+        ...), then ``overrides``. The master key is not read here: its provider reads
+        ``TENANTKV_MASTER_KEY`` itself."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name == "master_key":
+                continue
+            raw = env.get(ENV_PREFIX + field.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _parse_env(field.name, raw)
+        values.update(overrides)
+        return cls(**values)
+
+
+def block_store_path(url: str) -> Path:
+    """The directory of a ``file://`` block-store URL; other schemes are refused for now."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+        raise InvalidRequestError(
+            f"unsupported block_store_url {url!r}: use file:///absolute/path "
+            "(a local directory or a shared POSIX mount)"
+        )
+    return Path(unquote(parsed.path))
+
+
+_INTS = {
+    "seal_workers",
+    "load_workers",
+    "window",
+    "staging_bytes",
+    "staging_slot_bytes",
+    "layer_pool_bytes",
+    "default_quota_bytes",
+}
+_FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds"}
+_BOOLS = {"durable", "strict"}
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    try:
+        if name in _INTS:
+            return int(raw)
+        if name in _FLOATS:
+            return float(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a number") from None
+    if name in _BOOLS:
+        lowered = raw.strip().lower()
+        if lowered not in ("1", "0", "true", "false", "yes", "no"):
+            raise InvalidRequestError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean")
+        return lowered in ("1", "true", "yes")
+    return raw
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_positive_number(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InvalidRequestError(f"{name} must be positive, got {value!r}")
+
+
+def default_root() -> str:
+    """The root the CLI and the admin service use when none is given: ``TENANTKV_ROOT``, else
+    ``./tenantkv-data``."""
+    return os.environ.get(ENV_PREFIX + "ROOT") or DEFAULT_ROOT
+
+
+def config_for_root(root: str | os.PathLike[str]) -> CacheConfig:
+    """What the CLI and the admin service open: ``root``, with every other setting from the
+    ``TENANTKV_*`` environment (so one deployment's settings reach every entry point)."""
+    return CacheConfig.from_env(root=Path(root))

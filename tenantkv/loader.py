@@ -120,10 +120,10 @@ def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
             except StorageError as err:  # EMFILE, EIO, ...: not evidence of tampering
                 raise ExtentFailure(extent.extent_id, 0, err, IO) from err
             if reader.size < geometry.total_bytes:
-                cause = ShortReadError(
+                short = ShortReadError(
                     f"extent holds {reader.size} of {geometry.total_bytes} indexed bytes"
                 )
-                raise ExtentFailure(extent.extent_id, 0, cause, LOST)
+                raise ExtentFailure(extent.extent_id, 0, short, LOST)
             if reader.size != geometry.total_bytes or not geometry.matches_header(bytes(header)):
                 cause = SealOpenError("extent size or header does not match the index")
                 raise ExtentFailure(extent.extent_id, 0, cause, INTEGRITY)

@@ -18,11 +18,12 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .config import CacheConfig
 from .index.database import Database
 from .index.schema import Tenant, Usage
 
 BUCKET_SECONDS = 60
-DEFAULT_HIT_COST = 1 / 50
+DEFAULT_HIT_COST: float = CacheConfig.hit_cost  # the default lives in CacheConfig
 FIELDS = (
     "hit_tokens",  # tokens a lookup found cached
     "miss_tokens",  # tokens a lookup asked for and did not find

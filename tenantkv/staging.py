@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_RING_BYTES = 64 * 2**20
-# A chunk (one slot of ciphertext) costs a read, a lock round trip and Python bookkeeping,
-# measured ~10 ms of CPU per 8K-token 61-layer load when layers were cut in 4 chunks instead of
-# 2; 8 MiB holds half a layer of an 8K-token MLA prefix. 8 slots still exceed the loader threads.
-DEFAULT_SLOT_BYTES = 8 * 2**20
+from .config import CacheConfig
+
+# The defaults live in CacheConfig (its field defaults, read off the class).
+DEFAULT_RING_BYTES: int = CacheConfig.staging_bytes
+DEFAULT_SLOT_BYTES: int = CacheConfig.staging_slot_bytes
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
-from .index import counters
+from .index import capacity, counters
 from .index.schema import DataKey, Extent, Namespace, Tenant
 from .quota import Evicted, make_room, tenant_bytes, total_quota
 from .retention import dumps as dumps_retention
@@ -89,14 +89,16 @@ def _info(session: Session, row: Tenant) -> TenantInfo:
 
 def _check_capacity(kv: TenantKV, session: Session, quota: int, tenant_id: bytes | None) -> None:
     """Quotas reserve capacity: refuse a quota that would overcommit the store."""
-    if kv.allow_overcommit:
+    store = capacity.read(session)
+    assert store is not None, "the capacity is set when the index is first opened"
+    if store.allow_overcommit:
         return
     reserved = total_quota(session, excluding=tenant_id)
-    if reserved + quota > kv.capacity_bytes:
+    if reserved + quota > store.capacity_bytes:
         raise QuotaExceededError(
             f"a quota of {quota} bytes does not fit: {reserved} of the store's "
-            f"{kv.capacity_bytes} bytes are reserved by other tenants (quotas reserve capacity; "
-            "an operator may allow overcommit, which weakens isolation)"
+            f"{store.capacity_bytes} bytes are reserved by other tenants (quotas reserve "
+            "capacity; an operator may allow overcommit, which weakens isolation)"
         )
 
 

@@ -141,7 +141,8 @@ def test_chunks_cover_every_segment_once_in_a_multiple_of_workers(
     layers = random_layers(MLA, len(tokens))
     ns.store(tokens[: 4 * 64], [prefix_of(layer, 4 * 64) for layer in layers])
     ns.store(tokens, layers)
-    plan = ns._plan(ns._keys(tokens))
+    with kv.db.read_connection() as connection:
+        plan = ns._plan(connection, ns._keys(tokens))
     for cut in (workers, 2 * workers):
         chunks = split_chunks(plan, max_segments, cut)
         covered = [chunk.position + i for chunk in chunks for i in range(chunk.count)]

@@ -7,6 +7,7 @@ hard-coded. Retention, GC and metering are in ``test_retention_gc.py``.
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import time
@@ -85,10 +86,20 @@ def master_key() -> bytes:
 
 
 def open_cache(root: Path, clock: FakeClock, master_key: bytes, **options: Any) -> TenantKV:
-    options.setdefault("capacity_bytes", CAPACITY)
-    return tenantkv.open(
+    """Open, then set the capacity and overcommit policy by the explicit operator call."""
+    capacity = {
+        "capacity_bytes": options.pop("capacity_bytes", CAPACITY),
+        "allow_overcommit": options.pop("allow_overcommit", None),
+    }
+    kv = tenantkv.open(
         root, durable=False, clock=clock, master_key=KeyEncryptionKey(master_key), **options
     )
+    try:
+        kv.set_capacity(**capacity)
+    except BaseException:
+        kv.close()
+        raise
+    return kv
 
 
 @pytest.fixture
@@ -439,6 +450,35 @@ def test_overcommit_is_opt_in_audited_and_persists(
         assert kv.security_events().get("overcommit_changed") == 1
         with pytest.raises(QuotaExceededError):
             kv.create_tenant("d", quota_bytes=2301)
+
+
+def test_capacity_is_index_state_changed_only_by_the_audited_call(
+    cache_root: Path, clock: FakeClock, master_key: bytes
+) -> None:
+    key = KeyEncryptionKey(master_key)
+    with open_cache(cache_root, clock, master_key, capacity_bytes=1000) as node_a:
+        # a second node opening the same index with its own settings changes nothing
+        with tenantkv.open(cache_root, durable=False, clock=clock, master_key=key) as node_b:
+            assert node_b.capacity_bytes == 1000 and node_b.allow_overcommit is False
+            node_b.set_capacity(capacity_bytes=4000, allow_overcommit=True)
+        assert node_a.capacity_bytes == 4000 and node_a.allow_overcommit is True  # shared
+        assert node_a.info()["capacity_bytes"] == 4000
+        node_a.create_tenant("a", quota_bytes=3000)
+        with pytest.raises(QuotaExceededError):
+            node_a.set_capacity(capacity_bytes=2000, allow_overcommit=False)
+        assert node_a.capacity_bytes == 4000  # refused: nothing changed
+        with pytest.raises(tenantkv.InvalidRequestError):
+            node_a.set_capacity(capacity_bytes=0)
+        lines = list(node_a.audit.export(node_a.db.read, tenant=None))
+        records = [json.loads(line.rsplit(',"', 1)[0] + "}") for line in lines]
+        changes = [r["details"] for r in records if r.get("action") == "capacity.update"]
+        assert changes[-1] == {"capacity_bytes": 4000, "allow_overcommit": True}
+        assert {"capacity_bytes": 2000, "allow_overcommit": False} not in changes
+    # the old keyword still works, with a deprecation warning, and is recorded the same way
+    with pytest.warns(DeprecationWarning, match="set_capacity"):
+        kv = tenantkv.open(cache_root, durable=False, master_key=key, capacity_bytes=5000)
+    with kv:
+        assert kv.capacity_bytes == 5000
 
 
 # ---- quota eviction -------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def run(settings: Settings | None = None) -> None:
     from .. import open as open_cache
 
     config = settings or Settings()
-    with open_cache(config.root) as kv:
+    with open_cache(config.cache_config()) as kv:
         token = ensure_first_operator_token(kv)
         if token is not None:
             print(

@@ -8,17 +8,11 @@ when it runs.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from ..config import config_for_root, default_root
 from ..errors import TenantKVError
 from .auth import ROLES, create_token, list_tokens, revoke_token
-
-DEFAULT_ROOT_ENV = "TENANTKV_ROOT"
-
-
-def _default_root() -> str:
-    return os.environ.get(DEFAULT_ROOT_ENV, "./tenantkv-data")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -39,7 +33,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
     try:
-        with open_cache(args.root) as kv:
+        with open_cache(config_for_root(args.root)) as kv:
             token = create_token(kv, args.role, args.tenant, args.ttl)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
@@ -52,7 +46,7 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
     from .. import open as open_cache
     from .auth import ensure_schema
 
-    with open_cache(args.root) as kv:
+    with open_cache(config_for_root(args.root)) as kv:
         ensure_schema(kv)
         for info in list_tokens(kv, args.tenant):
             state = "revoked" if info.revoked_at is not None else "active"
@@ -67,7 +61,7 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
     try:
-        with open_cache(args.root) as kv:
+        with open_cache(config_for_root(args.root)) as kv:
             found = revoke_token(kv, args.token_id)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
@@ -81,7 +75,7 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` and ``token create|list|revoke`` to the CLI's subcommands."""
     serve = commands.add_parser("serve", help="run the admin API (loopback by default)")
-    serve.add_argument("root", nargs="?", default=_default_root())
+    serve.add_argument("root", nargs="?", default=default_root())
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8470)
     serve.set_defaults(handler=_cmd_serve)
@@ -89,16 +83,16 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     token = commands.add_parser("token", help="make, list and revoke admin API tokens")
     actions = token.add_subparsers(dest="token_command", required=True)
     create = actions.add_parser("create", help="print a new token (shown once)")
-    create.add_argument("root", nargs="?", default=_default_root())
+    create.add_argument("root", nargs="?", default=default_root())
     create.add_argument("--role", choices=ROLES, required=True)
     create.add_argument("--tenant", default=None, help="the tenant of a tenant-admin token")
     create.add_argument("--ttl", type=float, default=None, help="lifetime in seconds")
     create.set_defaults(handler=_cmd_token_create)
     listing = actions.add_parser("list", help="list tokens (ids and metadata, no secrets)")
-    listing.add_argument("root", nargs="?", default=_default_root())
+    listing.add_argument("root", nargs="?", default=default_root())
     listing.add_argument("--tenant", default=None)
     listing.set_defaults(handler=_cmd_token_list)
     revoke = actions.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("token_id")
-    revoke.add_argument("root", nargs="?", default=_default_root())
+    revoke.add_argument("root", nargs="?", default=default_root())
     revoke.set_defaults(handler=_cmd_token_revoke)

@@ -1,6 +1,8 @@
 """Settings of the admin service, from ``TENANTKV_*`` environment variables (pydantic-settings).
 
-Tests build a :class:`Settings` directly and pass it to ``create_app``.
+Tests build a :class:`Settings` directly and pass it to ``create_app``. The cache's own settings
+(index and block-store URLs, workers, sizes) are a :class:`~tenantkv.config.CacheConfig`,
+embedded through :meth:`Settings.cache_config`.
 """
 
 from __future__ import annotations
@@ -8,11 +10,13 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..config import CacheConfig, config_for_root, default_root
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TENANTKV_", extra="ignore")
 
-    root: str = Field(default="./tenantkv-data", description="cache root directory")
+    root: str = Field(default_factory=default_root, description="cache root directory")
     host: str = Field(default="127.0.0.1", description="address to listen on (loopback only)")
     port: int = Field(default=8470, ge=0, le=65535)
     log_level: str = "info"
@@ -22,3 +26,8 @@ class Settings(BaseSettings):
     )
     max_token_ttl_seconds: float = Field(default=90 * 86400.0, gt=0, le=366 * 86400.0)
     default_token_ttl_seconds: float | None = Field(default=30 * 86400.0, gt=0)
+
+    def cache_config(self) -> CacheConfig:
+        """The cache this service opens: ``root``, with every other cache setting from the same
+        ``TENANTKV_*`` environment the CLI and the library's ``CacheConfig.from_env`` read."""
+        return config_for_root(self.root)
