@@ -1,0 +1,78 @@
+"""CacheConfig: defaults in one place, overrides, the environment, and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tenantkv
+from tenantkv.config import CacheConfig, config_for_root, default_root
+
+
+def test_defaults_and_derived_locations(tmp_path: Path) -> None:
+    config = CacheConfig(root=tmp_path)
+    assert config.index_url == f"sqlite:///{tmp_path / 'index.db'}"
+    assert config.blocks_url == (tmp_path / "blocks").resolve().as_uri()
+    assert config.load_threads >= 2 and config.seal_threads >= 1
+    assert config.staging_bytes == 64 * 2**20 and config.staging_slot_bytes == 8 * 2**20
+
+
+def test_from_env_reads_prefixed_variables_and_overrides_win(tmp_path: Path) -> None:
+    env = {
+        "TENANTKV_ROOT": str(tmp_path),
+        "TENANTKV_DATABASE_URL": "sqlite:///elsewhere.db",
+        "TENANTKV_LOAD_WORKERS": "3",
+        "TENANTKV_STRICT": "true",
+        "TENANTKV_LEASE_SECONDS": "12.5",
+        "UNRELATED": "x",
+    }
+    config = CacheConfig.from_env(env, seal_workers=5)
+    assert config.root == tmp_path and config.database_url == "sqlite:///elsewhere.db"
+    assert config.load_workers == 3 and config.strict is True and config.lease_seconds == 12.5
+    assert config.seal_workers == 5
+    assert CacheConfig.from_env({}) == CacheConfig()  # control: nothing set, all defaults
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"TENANTKV_LOAD_WORKERS": "many"}, "not a number"),
+        ({"TENANTKV_STRICT": "perhaps"}, "not a boolean"),
+        ({"TENANTKV_STAGING_BYTES": "0"}, "positive"),
+        ({"TENANTKV_BLOCK_STORE_URL": "s3://bucket/kv"}, "block_store_url"),
+        ({"TENANTKV_SUITE": "rot13"}, "suite"),
+    ],
+)
+def test_bad_environment_is_refused_clearly(env: dict[str, str], match: str) -> None:
+    with pytest.raises(tenantkv.InvalidRequestError, match=match):
+        CacheConfig.from_env(env)
+
+
+def test_open_takes_a_config_with_overrides_and_refuses_unknown_settings(tmp_path: Path) -> None:
+    blocks = tmp_path / "shared-mount"
+    config = CacheConfig(root=tmp_path / "node", block_store_url=blocks.as_uri(), durable=False)
+    with tenantkv.open(config, load_workers=3) as kv:
+        assert kv.config.load_workers == 3 and kv.load_threads == 3
+        assert kv.config.block_store_url == blocks.as_uri()
+        kv.create_tenant("acme")
+        assert kv.info()["root"] == str(tmp_path / "node")
+    assert (tmp_path / "node" / "index.db").exists() and blocks.is_dir()
+    with pytest.raises(tenantkv.InvalidRequestError, match="unknown cache settings: colour"):
+        tenantkv.open(config, colour="blue")
+    with pytest.raises(tenantkv.InvalidRequestError, match="staging slot"):
+        tenantkv.open(config, staging_bytes=1024, staging_slot_bytes=4096)
+
+
+def test_the_cli_and_the_server_share_one_default_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tenantkv.server.settings import Settings
+
+    monkeypatch.delenv("TENANTKV_ROOT", raising=False)
+    assert default_root() == "./tenantkv-data" == Settings().root
+    monkeypatch.setenv("TENANTKV_ROOT", str(tmp_path))
+    monkeypatch.setenv("TENANTKV_LOAD_WORKERS", "4")
+    assert default_root() == str(tmp_path) == Settings().root
+    assert Settings().cache_config() == config_for_root(tmp_path)
+    assert Settings().cache_config().load_workers == 4
