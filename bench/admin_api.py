@@ -77,7 +77,7 @@ def prepare(root: str) -> tuple[str, dict[str, str]]:
         assert token is not None
         for name in TENANTS:
             kv.create_tenant(name, quota_bytes=256 * MiB, retention={"agent": "1d"})
-        url = kv.db.engine.url
+        url = kv.context.index.engine.url
         db = {
             "database": f"{url.get_backend_name()} ({url.render_as_string(hide_password=True)})",
             "sqlite": sqlite3.sqlite_version,

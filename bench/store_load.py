@@ -491,12 +491,12 @@ def bench_tenantkv(
             stored.append(n_new)
             return elapsed
 
-        kept = set(kv.store_backend.list())  # the warm-up prefix, which the loads read
+        kept = set(kv.context.blocks.list())  # the warm-up prefix, which the loads read
 
         def drop_stored(_: int) -> None:
             # Untimed, like the raw baseline's unlink after each rep: every rep writes into a
             # page cache in the same state instead of on top of the previous reps' files.
-            for extent_id in set(kv.store_backend.list()) - kept:
+            for extent_id in set(kv.context.blocks.list()) - kept:
                 kv.drop_extent(extent_id)
 
         store_secs = repeat(

@@ -12,6 +12,8 @@ set -e
 rm -rf build/typecheck && mkdir -p build/typecheck
 cp -r tenantkv build/typecheck/ && cp -r crypto storage audit build/typecheck/tenantkv/
 (cd build/typecheck && ../../.venv/bin/mypy --config-file ../../pyproject.toml -p tenantkv)
+# The import contracts (pyproject's [tool.importlinter]): layers pointing down, no cycles.
+(cd build/typecheck && PYTHONPATH=. ../../.venv/bin/lint-imports --no-cache ../../pyproject.toml)
 set +e
 .venv/bin/python -m pytest "$@"
 status=$?

@@ -12,7 +12,7 @@
         for layer_index, layer in stream: ...
 """
 
-from .cache import TenantKV, open
+from .api import TenantKV, open
 from .crypto import MasterKeyError
 from .errors import (
     CacheClosedError,
@@ -26,13 +26,13 @@ from .errors import (
     TenantKVError,
     TenantNotFoundError,
 )
-from .gc import GcReport
 from .layout import KVLayout, Layer
 from .loader import LoadStream
 from .metering import UsageReport
-from .namespace import Namespace
 from .prefix import BLOCK_TOKENS
-from .tenants import TenantInfo
+from .services.gc import GcReport
+from .services.namespace import Namespace
+from .services.tenants import TenantInfo
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ from . import (
 from . import open as open_cache
 from .cli_audit import register as register_audit_commands
 from .config import config_for_root, default_root
-from .gc import text_progress
 from .server.cli import register as register_server_commands
+from .services.gc import text_progress
 
 
 def _print_table(rows: Sequence[tuple[str, str]]) -> None:
@@ -136,7 +136,7 @@ def _walkthrough(root: str, num_tokens: int, num_layers: int) -> int:
         failures += other != 0
 
         on_disk = sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
-        print(f"  6. on disk: {on_disk / 2**20:.1f} MiB, sealed with {kv.suite.name}")
+        print(f"  6. on disk: {on_disk / 2**20:.1f} MiB, sealed with {kv.config.suite.name}")
     print("walk-through " + ("passed" if failures == 0 else f"FAILED ({failures} checks)"))
     return 0 if failures == 0 else 1
 

@@ -64,8 +64,8 @@ def audit_log_of(kv: Any) -> AuditLog:
     log = getattr(kv, "audit", None)
     if isinstance(log, AuditLog):
         return log
-    AuditBase.metadata.create_all(kv.db.engine)
-    return AuditLog(kv.keyring._wrapper, clock=kv.clock)
+    AuditBase.metadata.create_all(kv.context.index.engine)
+    return AuditLog(kv.context.keys._wrapper, clock=kv.context.clock)
 
 
 @contextlib.contextmanager
@@ -107,7 +107,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         with open_cache(config_for_root(args.root)) as kv:
             log = audit_log_of(kv)
-            with kv.db.write() as session:  # the export is itself audited, before it runs
+            with (
+                kv.context.index.write() as session
+            ):  # the export is itself audited, before it runs
                 log.ensure_signing_key(session)
                 log.append(
                     session,
@@ -121,7 +123,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
                     ),
                 )
             lines = log.export(
-                kv.db.read,
+                kv.context.index.read,
                 tenant=args.tenant,
                 since=args.since,
                 until=args.until,
@@ -143,7 +145,7 @@ def _cmd_public_key(args: argparse.Namespace) -> int:
     try:
         with open_cache(config_for_root(args.root)) as kv:
             log = audit_log_of(kv)
-            with kv.db.write() as session:  # creates the key on first use
+            with kv.context.index.write() as session:  # creates the key on first use
                 pem = log.public_key_pem(session)
     except (AuditError, MasterKeyError, OSError) as err:
         print(f"tenantkv audit: {err}", file=sys.stderr)

@@ -75,21 +75,18 @@ class LeaseKeeper:
         with self._lock:
             self._active.pop(lease_id, None)
 
-    def release(self, lease_id: bytes, connection: Connection | None = None) -> None:
-        """End a lease (in ``connection``'s transaction if given, else in one of its own), then
-        remove the bytes of its extents that were deleted from the index meanwhile."""
+    def release(self, lease_id: bytes, *, remove_unindexed: bool = True) -> None:
+        """End a lease; then (unless the caller does it later) remove the bytes of its
+        extents that were deleted from the index meanwhile."""
         with self._lock:
             extent_ids = self._active.pop(lease_id, ())
         try:
-            if connection is not None:
+            with self._db.write_connection() as connection:
                 leases.release(connection, lease_id)
-            else:
-                with self._db.write_connection() as own:
-                    leases.release(own, lease_id)
         except SQLAlchemyError as err:  # the lease lapses by itself
             logger.warning("could not release a lease (it lapses in time): %s", err)
             return
-        if connection is None:
+        if remove_unindexed:
             self.remove_unindexed(extent_ids)
 
     def remove_unindexed(self, extent_ids: Collection[str]) -> None:

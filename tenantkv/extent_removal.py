@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
-from .index import leases
+from .index import extents, leases
 from .index.database import Database
 from .storage import BlockStore, StorageError
 
@@ -41,6 +41,15 @@ class ExtentRemover:
                 continue  # a load on some node reads it; the last lease's release removes it
             removed += self.delete_file(extent_id)
         return removed
+
+    def drop_damaged(self, extent_id: str) -> None:
+        """Remove a damaged or lost extent from the index (first) and the store (second).
+
+        Its bytes go at once even if loads hold leases on them: they fail to open for every
+        reader alike, so there is nothing left to protect."""
+        with self._db.write() as session:
+            extents.delete_rows(session, [extent_id])
+        self.delete_file(extent_id)
 
     def delete_file(self, extent_id: str) -> bool:
         try:

@@ -13,28 +13,14 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
-
-from sqlalchemy import func, select
-from sqlalchemy.dialects import postgresql, sqlite
 
 from .config import CacheConfig
+from .index import usage
 from .index.database import Database
-from .index.schema import Tenant, Usage
+from .index.usage import FIELDS
 
 BUCKET_SECONDS = 60
 DEFAULT_HIT_COST: float = CacheConfig.hit_cost  # the default lives in CacheConfig
-FIELDS = (
-    "hit_tokens",  # tokens a lookup found cached
-    "miss_tokens",  # tokens a lookup asked for and did not find
-    "served_tokens",  # tokens loaded from the cache
-    "stored_tokens",
-    "stored_bytes",
-    "evicted_extents",  # removed to make room within the tenant's quota
-    "evicted_bytes",
-    "expired_extents",  # removed by retention
-    "expired_bytes",
-)
 
 _Key = tuple[bytes, str, int]
 
@@ -80,30 +66,7 @@ class Meter:
             return
         try:
             with db.write() as session:
-                # Counters of a tenant deleted meanwhile (a stale handle, a load that outlived
-                # the tenant) have nowhere to go and must not block everyone else's.
-                live = set(
-                    session.scalars(
-                        select(Tenant.id).where(Tenant.id.in_({key[0] for key in pending}))
-                    ).all()
-                )
-                for (tenant_id, scope, bucket), counter in pending.items():
-                    if tenant_id not in live:
-                        continue
-                    values: dict[str, Any] = {name: counter.get(name, 0) for name in FIELDS}
-                    insert = (
-                        sqlite.insert(Usage) if db.dialect == "sqlite" else postgresql.insert(Usage)
-                    )
-                    statement = insert.values(
-                        tenant_id=tenant_id, scope=scope, bucket=bucket, **values
-                    )
-                    statement = statement.on_conflict_do_update(
-                        index_elements=["tenant_id", "scope", "bucket"],
-                        set_={
-                            name: getattr(Usage, name) + statement.excluded[name] for name in FIELDS
-                        },
-                    )
-                    session.execute(statement)
+                usage.add(session, db, pending)
         except BaseException:
             with self._lock:
                 for key, counter in pending.items():
@@ -125,14 +88,5 @@ def read_usage(
 ) -> dict[str, int]:
     """Sum the counters of the 60-second buckets whose start lies in ``[since, until)``, so
     adjacent windows add up exactly (a window shorter than a bucket may hold none)."""
-    columns = [func.coalesce(func.sum(getattr(Usage, name)), 0) for name in FIELDS]
-    query = select(*columns).where(Usage.tenant_id == tenant_id)
-    if scope is not None:
-        query = query.where(Usage.scope == scope)
-    if since is not None:
-        query = query.where(Usage.bucket >= since)
-    if until is not None:
-        query = query.where(Usage.bucket < until)
     with db.read() as session:
-        row = session.execute(query).one()
-    return {name: int(value) for name, value in zip(FIELDS, row, strict=True)}
+        return usage.read(session, tenant_id, scope, since, until)

@@ -26,7 +26,7 @@ def main(root: str, seed: int, num_tokens: int) -> None:
         ns = kv.namespace("acme", model="fleet-model", layout=MLA_SMALL)
         with ns.load(tokens) as stream:
             first = stream.wait_for_layer(0)
-            cached_before = sorted(t.hex() for t in kv.keyring.cached_tenants())
+            cached_before = sorted(t.hex() for t in kv.context.keys.cached_tenants())
             print("leased", flush=True)
             sys.stdin.readline()
             exact = [layers_equal(first, expected[0])]
@@ -37,13 +37,13 @@ def main(root: str, seed: int, num_tokens: int) -> None:
         # The other node retired keys meanwhile: the key epoch makes this node drop its cached
         # clear keys within a few seconds.
         deadline = time.monotonic() + 10
-        while kv.keyring.cached_tenants() and time.monotonic() < deadline:
+        while kv.context.keys.cached_tenants() and time.monotonic() < deadline:
             time.sleep(0.05)
         report = {
             "exact": exact,
             "security_events": kv.security_events(),
             "keys_cached_before": cached_before,
-            "keys_cached_after": sorted(t.hex() for t in kv.keyring.cached_tenants()),
+            "keys_cached_after": sorted(t.hex() for t in kv.context.keys.cached_tenants()),
         }
         print(json.dumps(report), flush=True)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 import tenantkv
@@ -59,11 +57,3 @@ def prefix_of(layer: tenantkv.Layer, num_tokens: int) -> tenantkv.Layer:
     if isinstance(layer, torch.Tensor):
         return layer[:num_tokens]
     return layer[0][:num_tokens], layer[1][:num_tokens]
-
-
-def wait_for_no_leases(kv: tenantkv.TenantKV, timeout: float = 10.0) -> None:
-    """Wait until every load's lease is given back (loads end them in the background)."""
-    deadline = time.monotonic() + timeout
-    while kv.leased_extents():
-        assert time.monotonic() < deadline, f"leases still held: {kv.leased_extents()}"
-        time.sleep(0.01)

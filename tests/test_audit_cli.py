@@ -41,7 +41,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = tmp_path / "cache"
     with tenantkv.open(path, durable=False) as kv:
         log = cli_audit.audit_log_of(kv)
-        with kv.db.write() as session:
+        with kv.context.index.write() as session:
             for day, tenant in enumerate(["acme", "globex", "acme"]):
                 action = TENANT_CREATE if day < 2 else KEYS_ROTATE
                 log.append(

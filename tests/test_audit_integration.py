@@ -16,9 +16,9 @@ from tests.helpers import MLA_SMALL, random_layers, random_tokens
 
 
 def _actions(kv: TenantKV, tenant: str | None) -> list[str]:
-    lines = list(kv.audit.export(kv.db.read, tenant=tenant))
-    with kv.db.read() as session:
-        pem = kv.audit.public_key_pem(session)
+    lines = list(kv.context.audit.export(kv.context.index.read, tenant=tenant))
+    with kv.context.index.read() as session:
+        pem = kv.context.audit.public_key_pem(session)
     report = verify_export(lines, pem)
     assert report.ok, report.problems
     records = [json.loads(line.rsplit(',"', 1)[0] + "}") for line in lines]
@@ -82,7 +82,7 @@ def test_gc_writes_usage_summaries_and_checkpoints(tmp_path: Path) -> None:
         kv.gc(orphan_grace=10**9)
         summaries = [
             json.loads(line.rsplit(',"', 1)[0] + "}")
-            for line in kv.audit.export(kv.db.read, tenant="acme")
+            for line in kv.context.audit.export(kv.context.index.read, tenant="acme")
         ]
         usage = [r for r in summaries if r.get("action") == "usage.summary"]
         assert len(usage) == 1

@@ -30,7 +30,7 @@ def snapshot(kv: TenantKV) -> Snapshot:
     """Index counts from ``kv.info()`` and the content hash of every file under ``blocks/``."""
     info = kv.info()
     counts = {name: int(info[name]) for name in _COUNTED}
-    blocks = Path(kv.root) / "blocks"
+    blocks = Path(kv.config.root) / "blocks"
     files = {
         str(path.relative_to(blocks)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(blocks.rglob("*"))

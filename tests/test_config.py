@@ -53,7 +53,7 @@ def test_open_takes_a_config_with_overrides_and_refuses_unknown_settings(tmp_pat
     blocks = tmp_path / "shared-mount"
     config = CacheConfig(root=tmp_path / "node", block_store_url=blocks.as_uri(), durable=False)
     with tenantkv.open(config, load_workers=3) as kv:
-        assert kv.config.load_workers == 3 and kv.load_threads == 3
+        assert kv.config.load_workers == 3 and kv.context.runtime.load_threads == 3
         assert kv.config.block_store_url == blocks.as_uri()
         kv.create_tenant("acme")
         assert kv.info()["root"] == str(tmp_path / "node")

@@ -116,10 +116,10 @@ def test_index_failure_on_lookup_degrades_to_a_miss(tmp_path: Path) -> None:
         ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
         ns.store(tokens, layers)
         assert ns.lookup(tokens) == 64
-        with kv.db.engine.begin() as connection:  # the index loses its tables
+        with kv.context.index.engine.begin() as connection:  # the index loses its tables
             connection.exec_driver_sql("ALTER TABLE tkv_blocks RENAME TO tkv_blocks_lost")
         assert ns.lookup(tokens) == 0
-        with kv.db.engine.begin() as connection:
+        with kv.context.index.engine.begin() as connection:
             connection.exec_driver_sql("ALTER TABLE tkv_blocks_lost RENAME TO tkv_blocks")
         assert ns.lookup(tokens) == 64
 
@@ -133,7 +133,7 @@ def test_an_index_outage_is_counted_not_billed_and_the_same_for_every_operation(
         ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
         ns.store(tokens[:64], [layer[:64] for layer in layers])
         assert ns.lookup(tokens) == 64  # control: metered as 64 hit and 64 missed tokens
-        with kv.db.engine.begin() as connection:  # the index loses its tables
+        with kv.context.index.engine.begin() as connection:  # the index loses its tables
             connection.exec_driver_sql("ALTER TABLE tkv_blocks RENAME TO tkv_blocks_lost")
         assert ns.lookup(tokens) == 0
         assert ns.cached_length(tokens) == 0
@@ -141,7 +141,7 @@ def test_an_index_outage_is_counted_not_billed_and_the_same_for_every_operation(
         assert ns.store(tokens, layers) == 0
         with pytest.raises(tenantkv.CacheMissError, match="index unavailable"):
             ns.load(tokens[:64])
-        with kv.db.engine.begin() as connection:
+        with kv.context.index.engine.begin() as connection:
             connection.exec_driver_sql("ALTER TABLE tkv_blocks_lost RENAME TO tkv_blocks")
         usage = kv.usage("acme").counters
         assert usage["hit_tokens"] == 64 and usage["miss_tokens"] == 64  # the outage is not billed
@@ -158,7 +158,7 @@ def test_strict_mode_raises_the_same_error_for_every_operation(tmp_path: Path) -
         kv.create_tenant("acme")
         ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
         ns.store(tokens, layers)
-        with kv.db.engine.begin() as connection:
+        with kv.context.index.engine.begin() as connection:
             connection.exec_driver_sql("ALTER TABLE tkv_blocks RENAME TO tkv_blocks_lost")
         for name, call in [
             ("lookup", lambda: ns.lookup(tokens)),
@@ -169,6 +169,6 @@ def test_strict_mode_raises_the_same_error_for_every_operation(tmp_path: Path) -
         ]:
             with pytest.raises(tenantkv.CacheUnavailableError, match=f"{name} failed"):
                 call()
-        with kv.db.engine.begin() as connection:
+        with kv.context.index.engine.begin() as connection:
             connection.exec_driver_sql("ALTER TABLE tkv_blocks_lost RENAME TO tkv_blocks")
         assert ns.lookup(tokens) == 64

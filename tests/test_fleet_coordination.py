@@ -28,7 +28,7 @@ TOKENS = 128
 
 
 def _extent_ids(kv: tenantkv.TenantKV) -> set[str]:
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         return set(session.scalars(select(Extent.id)).all())
 
 
@@ -114,7 +114,9 @@ def test_a_lapsed_lease_no_longer_protects_the_bytes(tmp_path: Path) -> None:
         ns.store(tokens, random_layers(MLA_SMALL, TOKENS, 3))
         (extent,) = _extent_ids(kv)
         stream = ns.load(tokens)
-        kv.leases.forget(next(iter(kv.leases.active())))  # as if this node died: no renewal
+        kv.context.leases.forget(
+            next(iter(kv.context.leases.active()))
+        )  # as if this node died: no renewal
         kv.update_tenant("acme", quota_bytes=1024)
         kv.gc(orphan_grace=0)
         assert _extent_path(root, extent).exists()  # control: the lease still holds

@@ -93,7 +93,7 @@ def test_identical_tokens_give_unrelated_keys_in_different_namespaces(owner: Ten
 def test_index_rows_are_per_namespace(owner: TenantKV) -> None:
     theirs = owner.namespace("globex", model="deepseek-v3", layout=MLA_SMALL, scope="alice")
     theirs.store(TOKENS, random_layers(MLA_SMALL, len(TOKENS), seed=5))
-    with owner.db.read() as session:
+    with owner.context.index.read() as session:
         rows = session.query(Block.namespace_id, Block.block_key).all()
     assert len({ns for ns, _ in rows}) == 2
     assert len({key for _, key in rows}) == len(rows) == 8

@@ -17,10 +17,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
-from tenantkv import namespace as namespace_module
 from tenantkv.index.plan import _rendered, locate_blocks
 from tenantkv.index.schema import DataKey, Extent
 from tenantkv.loader import split_chunks
+from tenantkv.services import namespace as namespace_module
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 
 MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
@@ -45,7 +45,7 @@ def _stored(kv: TenantKV, blocks: int = 2) -> tuple[tenantkv.Namespace, list[int
 
 def test_a_retired_key_version_makes_the_load_a_miss(kv: TenantKV) -> None:
     ns, tokens = _stored(kv)
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         session.execute(delete(DataKey))
     with pytest.raises(CacheMissError, match="data key version"):
         ns.load(tokens)
@@ -53,7 +53,7 @@ def test_a_retired_key_version_makes_the_load_a_miss(kv: TenantKV) -> None:
 
 def test_an_extent_of_another_geometry_is_a_miss(kv: TenantKV) -> None:
     ns, tokens = _stored(kv)
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         session.execute(update(Extent).values(num_layers=MLA.num_layers + 1))
     with pytest.raises(CacheMissError, match="layout"):
         ns.load(tokens)
@@ -102,13 +102,13 @@ def test_plan_query_finds_exactly_the_indexed_keys_of_any_count(kv: TenantKV, wa
     keys = ns._keys(tokens)
     absent = ns._keys(random_tokens(2 * 64, seed=99))
     identity = ns.identity
-    with kv.db.read_connection() as connection:
+    with kv.context.index.read_connection() as connection:
         located, extents = locate_blocks(
             connection,
             tenant_id=identity.tenant_id,
             namespace_id=identity.namespace_id,
             keys=[*keys[:wanted], *absent],
-            now=kv.clock(),
+            now=kv.context.clock(),
         )
     assert set(located) == set(keys[:wanted])
     assert [located[key][1] for key in keys[:wanted]] == list(range(wanted))
@@ -141,7 +141,7 @@ def test_chunks_cover_every_segment_once_in_a_multiple_of_workers(
     layers = random_layers(MLA, len(tokens))
     ns.store(tokens[: 4 * 64], [prefix_of(layer, 4 * 64) for layer in layers])
     ns.store(tokens, layers)
-    with kv.db.read_connection() as connection:
+    with kv.context.index.read_connection() as connection:
         plan = ns._plan(connection, ns._keys(tokens))
     for cut in (workers, 2 * workers):
         chunks = split_chunks(plan, max_segments, cut)

@@ -71,11 +71,11 @@ def test_two_threads_storing_the_same_prefix_leave_one_entry(kv: TenantKV) -> No
     assert sum(results) == 512  # every block was stored once, by one of the two
     ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
     assert sorted(ns.cached_blocks()) == list(range(8))
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         extent_ids = {row for row in session.scalars(session.query(Extent.id).statement)}
         referenced = {row for row in session.scalars(session.query(Block.extent_id).statement)}
     assert extent_ids == referenced, "an extent row without blocks was left behind"
-    assert set(kv.store_backend.list()) == extent_ids, "an unreferenced extent file was left"
+    assert set(kv.context.blocks.list()) == extent_ids, "an unreferenced extent file was left"
     for got, want in zip(load_all(ns, tokens), layers, strict=True):
         assert layers_equal(got, want)
 

@@ -62,7 +62,7 @@ def cache(cache_root: Path, clock: FakeClock, master_key: bytes) -> Iterator[Ten
 
 
 def extent_count(kv: TenantKV) -> int:
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         return int(session.scalar(select(func.count()).select_from(Extent)) or 0)
 
 

@@ -88,8 +88,8 @@ def store_some(kv: TenantKV, tenant: str, scope: str | None = None, seed: int = 
 
 
 def audit_records(kv: TenantKV, tenant: str | None) -> list[dict[str, object]]:
-    with kv.db.read() as session:
-        lines = list(kv.audit.export(session, tenant=tenant))
+    with kv.context.index.read() as session:
+        lines = list(kv.context.audit.export(session, tenant=tenant))
     return [
         r for r in map(json.loads, lines) if r.get("type", "record") == "record" and "action" in r
     ]

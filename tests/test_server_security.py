@@ -108,7 +108,7 @@ def test_tenant_admin_cannot_mint_past_its_own_expiry(api: Api) -> None:
 
 def test_tokens_are_stored_hashed_only(api: Api, tmp_path: Path) -> None:
     made = api.client.post("/v1/tokens", json={"role": "auditor"}, headers=api.operator).json()
-    api.kv.db.scrub_log()
+    api.kv.context.index.scrub_log()
     raw = made["token"].encode()
     secret = raw.removeprefix(b"tkv_")
     for path in (tmp_path / "cache").rglob("*"):

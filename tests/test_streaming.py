@@ -37,8 +37,11 @@ def _open_fds() -> int:
 def _threads_outside_pools(kv: TenantKV) -> int:
     """Live threads other than the cache's pool threads, which may start on demand (up to
     ``load_threads``) and live as long as the cache; a stream must leave no other behind."""
-    assert len(kv.load_executor._threads) <= kv.load_threads
-    pooled = {*kv.load_executor._threads, *kv.executor._threads}
+    assert len(kv.context.runtime.load_executor._threads) <= kv.context.runtime.load_threads
+    pooled = {
+        *kv.context.runtime.load_executor._threads,
+        *kv.context.runtime.seal_executor._threads,
+    }
     return sum(thread not in pooled for thread in threading.enumerate())
 
 
@@ -201,8 +204,8 @@ def test_corruption_mid_stream_reports_delivered_layers_and_cleans_up(small_ring
     ns.store(tokens, layers)
     load_all(ns, tokens)  # positive control, and warm pools
     threads, fds = _threads_outside_pools(small_ring), _open_fds()
-    (extent_id,) = small_ring.store_backend.list()
-    path = small_ring.store_backend.path_of(extent_id)  # type: ignore[attr-defined]
+    (extent_id,) = small_ring.context.blocks.list()
+    path = small_ring.context.blocks.path_of(extent_id)  # type: ignore[attr-defined]
     data = bytearray(path.read_bytes())
     data[32 + (3 * 4 + 2) * SEGMENT + 100] ^= 0x01  # layer 3, block 2
     path.write_bytes(bytes(data))

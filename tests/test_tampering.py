@@ -93,7 +93,7 @@ def store_prefix(
         num_blocks=stored // 64,
         num_layers=layout.num_layers,
         segment_bytes=64 * layout.token_bytes,
-        suite=kv.suite,
+        suite=kv.config.suite,
     )
     assert extent.stat().st_size == geometry.total_bytes
     # Layout check of the formula the attacks rely on.

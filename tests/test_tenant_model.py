@@ -85,10 +85,10 @@ class BackgroundWork:
     def __init__(self, kv: TenantKV) -> None:
         self._kv = kv
         self._pending: list[Future[object]] = []
-        kv.submit_background = self._submit  # type: ignore[method-assign]
+        kv.context.runtime.submit_background = self._submit  # type: ignore[method-assign]
 
     def _submit(self, task: Callable[..., object], *args: object) -> None:
-        self._pending.append(self._kv.load_executor.submit(task, *args))
+        self._pending.append(self._kv.context.runtime.load_executor.submit(task, *args))
 
     def wait(self) -> None:
         pending, self._pending = self._pending, []
@@ -600,12 +600,12 @@ class TenantMachine(RuleBasedStateMachine):
             report = self.kv.usage(name)
             assert report.counters == {f: total[f] for f in FIELDS}, f"usage of {name}"
             assert report.cost_units == pytest.approx(
-                total["miss_tokens"] + self.kv.hit_cost * total["served_tokens"]
+                total["miss_tokens"] + self.kv.config.hit_cost * total["served_tokens"]
             )
         for i, handle in enumerate(self.handles):
             want_positions = sorted(len(key) - 1 for key in self.index[i])
             assert sorted(handle.cached_blocks()) == want_positions, f"blocks of ns{i}"
-        files = list(self.kv.store_backend.list())
+        files = list(self.kv.context.blocks.list())
         assert len(files) == len(self.extents), "extent files on disk vs extents in the model"
 
 
@@ -679,7 +679,7 @@ def test_quota_eviction_completes(tmp_path: Any) -> None:
         assert [ns.lookup(tokens) for tokens in seqs] == [0, BLOCK_TOKENS, BLOCK_TOKENS]
         usage = kv.usage("t").counters
         assert (usage["evicted_extents"], usage["evicted_bytes"]) == (1, extent_bytes(1))
-        assert len(list(kv.store_backend.list())) == 2
+        assert len(list(kv.context.blocks.list())) == 2
 
 
 def test_restore_of_expired_prefix_before_gc(tmp_path: Any) -> None:

@@ -131,20 +131,20 @@ def extent_bytes(tmp_path_factory: pytest.TempPathFactory) -> int:
 
 
 def tenant_id(kv: TenantKV, name: str) -> bytes:
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         found = session.scalar(select(Tenant.id).where(Tenant.name == name))
     assert found is not None
     return found
 
 
 def extents_of(kv: TenantKV, tid: bytes) -> dict[str, Extent]:
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         rows = session.scalars(select(Extent).where(Extent.tenant_id == tid)).all()
     return {row.id: row for row in rows}
 
 
 def data_key_versions(kv: TenantKV, tid: bytes) -> list[int]:
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         return sorted(session.scalars(select(DataKey.version).where(DataKey.tenant_id == tid)))
 
 
@@ -189,7 +189,7 @@ def wait_touched(kv: TenantKV, extent_id: str, at: float) -> None:
     """A load records its use in the background; wait until the index shows it."""
 
     def touched() -> bool:
-        with kv.db.read() as session:
+        with kv.context.index.read() as session:
             return session.scalar(select(Extent.last_used_at).where(Extent.id == extent_id)) == at
 
     wait_for(touched)
@@ -264,7 +264,7 @@ def test_unknown_or_deleted_tenant_raises_not_found(
     with pytest.raises(TenantNotFoundError):
         _TENANT_OPS[op](cache, "gone")
     assert [t.name for t in cache.list_tenants()] == ["other"]
-    with cache.db.read() as session:  # nothing was made for the missing tenant
+    with cache.context.index.read() as session:  # nothing was made for the missing tenant
         assert session.scalar(select(func.count()).select_from(DataKey)) == 1
         assert session.scalar(select(func.count()).select_from(NamespaceRow)) == 0
 
@@ -287,7 +287,7 @@ def test_bad_quota_is_refused_with_nothing_created_or_changed(cache: TenantKV, q
     with pytest.raises(InvalidRequestError):
         cache.create_tenant("acme", quota_bytes=quota)
     assert cache.list_tenants() == []
-    with cache.db.read() as session:
+    with cache.context.index.read() as session:
         assert session.scalar(select(func.count()).select_from(DataKey)) == 0
     before = cache.create_tenant("acme", quota_bytes=1_000_000)  # positive control
     with pytest.raises(InvalidRequestError):
@@ -404,7 +404,7 @@ def test_quotas_may_not_exceed_capacity(
         with pytest.raises(QuotaExceededError):
             kv.create_tenant("b", quota_bytes=401)
         assert [t.name for t in kv.list_tenants()] == ["a"]
-        with kv.db.read() as session:
+        with kv.context.index.read() as session:
             assert session.scalar(select(func.count()).select_from(DataKey)) == 1
         with pytest.raises(QuotaExceededError):  # the default quota (1 GiB) does not fit either
             kv.create_tenant("b")
@@ -469,7 +469,7 @@ def test_capacity_is_index_state_changed_only_by_the_audited_call(
         assert node_a.capacity_bytes == 4000  # refused: nothing changed
         with pytest.raises(tenantkv.InvalidRequestError):
             node_a.set_capacity(capacity_bytes=0)
-        lines = list(node_a.audit.export(node_a.db.read, tenant=None))
+        lines = list(node_a.context.audit.export(node_a.context.index.read, tenant=None))
         records = [json.loads(line.rsplit(',"', 1)[0] + "}") for line in lines]
         changes = [r["details"] for r in records if r.get("action") == "capacity.update"]
         assert changes[-1] == {"capacity_bytes": 4000, "allow_overcommit": True}
@@ -775,7 +775,7 @@ def record_extents(
     read from copies of the files taken now."""
     records: list[ExtentRecord] = []
     segments: list[SealedSegment] = []
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         extents = session.scalars(select(Extent).where(Extent.tenant_id == tid)).all()
         blocks = session.execute(
             select(Block.extent_id, Block.slot, Block.position, Block.block_key).where(
@@ -791,7 +791,7 @@ def record_extents(
             )
         )
         copy = aside / f"{extent.id}.tkx"
-        shutil.copyfile(extent_path(kv.root, extent.id), copy)
+        shutil.copyfile(extent_path(kv.config.root, extent.id), copy)
         data = copy.read_bytes()
         assert len(data) == geometry.total_bytes
         for extent_id, slot, position, block_key in blocks:
@@ -843,7 +843,7 @@ def test_delete_tenant_crypto_shreds_its_data(
     records, segments = record_extents(cache, vid, aside)
     by_id = {r.extent_id: r for r in records}
     assert {r.key_version for r in records} == {1, 2} and len(segments) == 3 * 3
-    with cache.db.read() as session:
+    with cache.context.index.read() as session:
         victim_keys: dict[int, bytes] = {
             version: wrapped
             for version, wrapped in session.execute(
@@ -866,7 +866,7 @@ def test_delete_tenant_crypto_shreds_its_data(
 
     cache.delete_tenant("victim")
 
-    with cache.db.read() as session:  # keys and index rows are gone
+    with cache.context.index.read() as session:  # keys and index rows are gone
         assert (
             session.scalar(
                 select(func.count()).select_from(DataKey).where(DataKey.tenant_id == vid)
@@ -954,7 +954,7 @@ def test_no_copy_of_a_deleted_tenants_wrapped_key_stays_on_disk(
     p = prefix(140)
     ns.store(p.tokens, p.layers)
     tid = tenant_id(cache, "gone")
-    with cache.db.read() as session:
+    with cache.context.index.read() as session:
         wrapped = session.scalar(select(DataKey.wrapped_key).where(DataKey.tenant_id == tid))
     assert wrapped is not None
     files = [f for f in cache_root.rglob("*") if f.is_file()]

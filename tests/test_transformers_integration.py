@@ -23,8 +23,6 @@ from tenantkv.integrations.transformers import (  # noqa: E402
     model_identity,
 )
 
-from .helpers import wait_for_no_leases  # noqa: E402
-
 VOCAB = 512
 
 
@@ -388,7 +386,7 @@ def test_streamed_restore_generates_the_same_as_full_prefill(tenants: TenantKV, 
     after_restore = _generate(model, follow_up, cache=restored.cache, new=16)
     assert torch.equal(after_restore.sequences, _generate(model, follow_up, new=16).sequences)
     assert feed.stream.closed and feed.stream.delivered_layers == len(layers)
-    wait_for_no_leases(tenants)
+    assert not tenants.leased_extents()
     # The streamed cache is an ordinary cache afterwards: saving it stores the new full block
     # (272 + 60 + 16 - 1 = 347 cached tokens: blocks 0-4, of which 0-3 were restored).
     assert prefixes.save(after_restore.sequences, after_restore.cache) == 64
@@ -409,7 +407,7 @@ def test_a_streamed_restore_that_is_never_used_releases_its_load(tenants: Tenant
     del restored
     gc.collect()
     assert stream.closed
-    wait_for_no_leases(tenants)
+    assert not tenants.leased_extents()
 
 
 def test_a_streamed_restore_that_fails_mid_way_raises_and_drops_the_prefix(
@@ -433,7 +431,7 @@ def test_a_streamed_restore_that_fails_mid_way_raises_and_drops_the_prefix(
     assert failure.value.delivered_layers < model.config.num_hidden_layers
     assert prefixes.lookup(prompt) == 0  # evicted before the error was raised
     assert tenants.security_events().get("segment_open_failed", 0) == 1
-    wait_for_no_leases(tenants)
+    assert not tenants.leased_extents()
     # the caller's retry without the cache is a plain full prefill
     retry = prefixes.restore(prompt, streaming=True)
     assert retry.cache is None
@@ -463,4 +461,4 @@ def test_streamed_layers_arrive_in_order_and_later_layers_repeat_a_failure(
         _ = restored.cache.layers[1].keys
     with pytest.raises(tenantkv.CacheClosedError):  # the same error, not an ordering complaint
         _ = restored.cache.layers[2].keys
-    wait_for_no_leases(tenants)
+    assert not tenants.leased_extents()

@@ -28,7 +28,7 @@ from .model import FAST, FULL, Generation, build_model, greedy
 from .terminal import ProgressBar, table
 
 if TYPE_CHECKING:
-    from ..cache import TenantKV
+    from ..api import TenantKV
 
 TENANTS = ("acme", "globex")
 
@@ -171,10 +171,10 @@ def _audit(kv: TenantKV, root: Path, report: DemoReport, out: TextIO) -> None:
     export_dir.mkdir(exist_ok=True)
     export = export_dir / "acme-audit.jsonl"
     public_key = export_dir / "audit-public-key.pem"
-    lines = list(kv.audit.export(kv.db.read, tenant="acme", fmt="jsonl"))
+    lines = list(kv.context.audit.export(kv.context.index.read, tenant="acme", fmt="jsonl"))
     export.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    with kv.db.read() as session:
-        public_key.write_bytes(kv.audit.public_key_pem(session))
+    with kv.context.index.read() as session:
+        public_key.write_bytes(kv.context.audit.public_key_pem(session))
     # Offline: only the exported file and the public key from here on.
     with export.open("rb") as handle:
         verified = verify_export(handle, public_key.read_bytes())

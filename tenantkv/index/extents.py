@@ -8,12 +8,13 @@ between leaves an unindexed file for the orphan sweep, never a row pointing at m
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from .schema import Block, Extent
+from .schema import Block, Extent, Namespace
 
 # SQLite allows 32,766 bound parameters; stay far below it and below PostgreSQL's limits.
 CHUNK = 500
@@ -36,3 +37,66 @@ def indexed(session: Session, extent_ids: Collection[str]) -> set[str]:
         batch = ids[start : start + CHUNK]
         found.update(session.scalars(select(Extent.id).where(Extent.id.in_(batch))).all())
     return found
+
+
+def sealed_before(session: Session, tenant_id: bytes, version: int) -> list[Extent]:
+    """The tenant's extents sealed with a data-key version older than ``version``."""
+    return list(
+        session.scalars(
+            select(Extent).where(Extent.tenant_id == tenant_id, Extent.key_version < version)
+        ).all()
+    )
+
+
+def referenced_slots(session: Session, extent_id: str) -> list[tuple[bytes, int]]:
+    """(block key, slot) of every block that points into the extent, by slot."""
+    rows = session.execute(
+        select(Block.block_key, Block.slot).where(Block.extent_id == extent_id).order_by(Block.slot)
+    ).all()
+    return [(bytes(key), int(slot)) for key, slot in rows]
+
+
+def switch_over(session: Session, old: Extent, new: Extent, block_keys: Sequence[bytes]) -> None:
+    """Point the blocks ``block_keys`` (slot by slot) at ``new`` and drop ``old``'s rows, in
+    the caller's transaction (re-sealing)."""
+    session.add(new)
+    session.flush()
+    for new_slot, block_key in enumerate(block_keys):
+        session.execute(
+            update(Block)
+            .where(Block.namespace_id == old.namespace_id, Block.block_key == block_key)
+            .values(extent_id=new.id, slot=new_slot)
+        )
+    delete_rows(session, [old.id])
+
+
+@dataclass(frozen=True)
+class ExtentSize:
+    id: str
+    tenant_id: bytes
+    size_bytes: int
+    scope: str
+
+
+def expired(session: Session, now: float) -> list[ExtentSize]:
+    """Extents whose retention ran out by ``now``, oldest expiry first."""
+    rows = session.execute(
+        select(Extent.id, Extent.tenant_id, Extent.size_bytes, Namespace.scope)
+        .join(Namespace, Namespace.id == Extent.namespace_id)
+        .where(Extent.expires_at <= now)
+        .order_by(Extent.expires_at)
+    ).all()
+    return [ExtentSize(row.id, row.tenant_id, int(row.size_bytes), row.scope) for row in rows]
+
+
+def of_tenant(session: Session, tenant_id: bytes, scope: str | None) -> list[ExtentSize]:
+    """The tenant's extents (of ``scope`` only, if given; ``""`` is the tenant-wide scope)."""
+    query = (
+        select(Extent.id, Extent.tenant_id, Extent.size_bytes, Namespace.scope)
+        .join(Namespace, Namespace.id == Extent.namespace_id)
+        .where(Extent.tenant_id == tenant_id)
+    )
+    if scope is not None:
+        query = query.where(Namespace.scope == scope)
+    rows = session.execute(query).all()
+    return [ExtentSize(row.id, row.tenant_id, int(row.size_bytes), row.scope) for row in rows]

@@ -47,12 +47,12 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "tenantkv.integrations.transformers needs transformers: pip install 'tenantkv[hf]'"
     ) from err
 
-from ..cache import TenantKV
+from ..api import TenantKV
 from ..errors import CacheMissError, InvalidRequestError, LoadError
 from ..layout import KVLayout, Layer
-from ..namespace import Namespace
 from ..prefix import BLOCK_TOKENS
 from ..retention import DEFAULT_KIND
+from ..services.namespace import Namespace
 from ..tokens import as_token_array
 from .streamed_layer import LayerFeed, streamed_cache
 
@@ -181,7 +181,7 @@ class PrefixCache:
         self.namespace: Namespace = kv.namespace(
             tenant, model=name, revision=label, layout=self.layout, scope=scope
         )
-        self._strict = kv.strict
+        self._strict = kv.config.strict
 
     def __repr__(self) -> str:
         return f"PrefixCache({self.namespace!r})"

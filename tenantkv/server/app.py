@@ -8,7 +8,7 @@ import sys
 from fastapi import FastAPI
 
 from .. import __version__
-from ..cache import TenantKV
+from ..api import TenantKV
 from . import errors
 from .auth import ensure_first_operator_token, ensure_schema
 from .metrics import Metrics, RequestMiddleware

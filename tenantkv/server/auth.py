@@ -28,11 +28,11 @@ from sqlalchemy.orm import Session
 from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN, AuditEvent
 from ..errors import InvalidRequestError, TenantNotFoundError
 from ..index.schema import Tenant
-from ..tenants import check_tenant_name
+from ..services.tenants import check_tenant_name
 from .models import ApiToken, ServerBase
 
 if TYPE_CHECKING:
-    from ..cache import TenantKV
+    from ..api import TenantKV
 
 Role = Literal["operator", "tenant-admin", "auditor"]
 ROLES: Final[tuple[Role, ...]] = (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR)
@@ -82,7 +82,7 @@ class AuthError(Exception):
 
 def ensure_schema(kv: TenantKV) -> None:
     """Create the admin API's tables next to the cache's (idempotent)."""
-    ServerBase.metadata.create_all(kv.db.engine)
+    ServerBase.metadata.create_all(kv.context.index.engine)
 
 
 def hash_token(token: str) -> str:
@@ -140,7 +140,7 @@ def insert_token(
         raise InvalidRequestError(f"a {checked_role} token is not bound to a tenant")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     digest = hash_token(token)
-    now = kv.clock()
+    now = kv.context.clock()
     row = ApiToken(
         id=digest[:16],
         token_hash=digest,
@@ -153,7 +153,7 @@ def insert_token(
     )
     session.add(row)
     session.flush()
-    kv.audit.append(
+    kv.context.audit.append(
         session,
         AuditEvent(
             actor=actor,
@@ -173,23 +173,23 @@ def create_token(
 ) -> str:
     """Make a token (returned once; only its hash is stored), as the cache's own process."""
     ensure_schema(kv)
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         return insert_token(
             kv,
             session,
             role,
             tenant,
             ttl_seconds,
-            actor=kv.attribution.actor,
-            actor_role=kv.attribution.role,
+            actor=kv.context.attribution.actor,
+            actor_role=kv.context.attribution.role,
         )
 
 
 def ensure_first_operator_token(kv: TenantKV) -> str | None:
     """A new operator token if no usable (unrevoked, unexpired) one exists; else None."""
     ensure_schema(kv)
-    with kv.db.write() as session:
-        now = kv.clock()
+    with kv.context.index.write() as session:
+        now = kv.context.clock()
         existing = session.scalar(
             select(ApiToken.id).where(
                 ApiToken.role == ROLE_OPERATOR,
@@ -205,8 +205,8 @@ def ensure_first_operator_token(kv: TenantKV) -> str | None:
             ROLE_OPERATOR,
             None,
             None,
-            actor=kv.attribution.actor,
-            actor_role=kv.attribution.role,
+            actor=kv.context.attribution.actor,
+            actor_role=kv.context.attribution.role,
         )
 
 
@@ -231,8 +231,8 @@ def mark_revoked(
     if row is None:
         return False
     if row.revoked_at is None:
-        row.revoked_at = kv.clock()
-    kv.audit.append(
+        row.revoked_at = kv.context.clock()
+    kv.context.audit.append(
         session,
         AuditEvent(
             actor=actor,
@@ -250,9 +250,13 @@ def mark_revoked(
 def revoke_token(kv: TenantKV, token_id: str) -> bool:
     """Revoke a token by id, as the cache's own process; False if there is no such token."""
     ensure_schema(kv)
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         return mark_revoked(
-            kv, session, token_id, actor=kv.attribution.actor, actor_role=kv.attribution.role
+            kv,
+            session,
+            token_id,
+            actor=kv.context.attribution.actor,
+            actor_role=kv.context.attribution.role,
         )
 
 
@@ -262,7 +266,7 @@ def revoke_tenant_tokens(kv: TenantKV, session: Session, tenant: str) -> int:
     result = session.execute(
         update(ApiToken)
         .where(ApiToken.tenant == tenant, ApiToken.revoked_at.is_(None))
-        .values(revoked_at=kv.clock())
+        .values(revoked_at=kv.context.clock())
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
@@ -270,7 +274,7 @@ def revoke_tenant_tokens(kv: TenantKV, session: Session, tenant: str) -> int:
 
 def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
     """Every token (or one tenant's), newest first, without secrets."""
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         query = select(ApiToken).order_by(ApiToken.created_at.desc(), ApiToken.id)
         if tenant is not None:
             query = query.where(ApiToken.tenant == tenant)
@@ -295,13 +299,13 @@ def verify_token(kv: TenantKV, token: str | None) -> Principal:
     if not _TOKEN.fullmatch(token):
         raise AuthError("malformed")
     digest = hash_token(token)
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         row = session.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
     if row is None or not hmac.compare_digest(row.token_hash, digest):
         raise AuthError("unknown")
     if row.revoked_at is not None:
         raise AuthError("revoked", row.id)
-    if row.expires_at is not None and kv.clock() >= row.expires_at:
+    if row.expires_at is not None and kv.context.clock() >= row.expires_at:
         raise AuthError("expired", row.id)
     return Principal(
         token_id=row.id, role=_check_role(row.role), tenant=row.tenant, expires_at=row.expires_at

@@ -8,6 +8,7 @@ who asked.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from ..audit import ACCESS_REFUSED, DENIED, SUCCESS, Attribution, AuditEvent, Ou
 from .auth import Principal
 
 if TYPE_CHECKING:
-    from ..cache import TenantKV
+    from ..api import TenantKV
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def audit_refusal(
             request_id=request_id,
             details={"reason": reason, "method": method},
         )
-        with kv.db.write() as session:
-            kv.audit.append(session, event)
+        with kv.context.index.write() as session:
+            kv.context.audit.append(session, event)
     except Exception as err:
-        kv.log.error("could not audit a refused API call: %s", err)
+        logging.getLogger("tenantkv").error("could not audit a refused API call: %s", err)

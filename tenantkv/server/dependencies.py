@@ -17,8 +17,8 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from ..api import TenantKV
 from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN
-from ..cache import TenantKV
 from .auth import AuthError, Role, verify_token
 from .caller import Caller, audit_refusal
 from .errors import FORBIDDEN, UNAUTHORIZED, ApiError, not_found

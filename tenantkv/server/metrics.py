@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from ..cache import TenantKV
+    from ..api import TenantKV
 
 REQUEST_ID_KEY: Final = "tenantkv.request_id"
 REQUEST_ID_HEADER: Final = "x-request-id"

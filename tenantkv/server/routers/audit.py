@@ -79,9 +79,11 @@ def export(
     """Stream the log as JSON Lines (verifiable offline with ``tenantkv audit verify``), CEF
     or OCSF. The set of records is fixed when the export starts."""
     chain_tenant = _chain_tenant(request, kv, caller, tenant)
-    lines = kv.audit.export(kv.db.read, tenant=chain_tenant, since=since, until=until, fmt=fmt)
-    with kv.db.write() as session:
-        kv.audit.append(
+    lines = kv.context.audit.export(
+        kv.context.index.read, tenant=chain_tenant, since=since, until=until, fmt=fmt
+    )
+    with kv.context.index.write() as session:
+        kv.context.audit.append(
             session,
             caller.event(
                 chain_tenant,
@@ -104,7 +106,7 @@ def list_checkpoints(
 ) -> list[CheckpointOut]:
     """Stored signed checkpoints of one chain (``tenant``; none: the system chain)."""
     chain = chain_for(_chain_tenant(request, kv, caller, tenant))
-    with kv.db.read() as session:
+    with kv.context.index.read() as session:
         rows = session.scalars(
             select(AuditCheckpointRow)
             .where(AuditCheckpointRow.chain == chain)
@@ -133,9 +135,9 @@ def create_checkpoint(
     is recorded on that chain first, so the checkpoint covers its own audit record."""
     tenant = body.tenant if body else None
     chain = chain_for(tenant)
-    with kv.db.write() as session:
-        kv.audit.append(session, caller.event(tenant, AUDIT_CHECKPOINT, chain))
-        checkpoint = kv.audit.checkpoint(session, chain)
+    with kv.context.index.write() as session:
+        kv.context.audit.append(session, caller.event(tenant, AUDIT_CHECKPOINT, chain))
+        checkpoint = kv.context.audit.checkpoint(session, chain)
     return CheckpointOut(
         chain=checkpoint.chain,
         seq=checkpoint.seq,
@@ -150,8 +152,8 @@ def create_checkpoint(
 @router.get("/public-key", response_class=Response)
 def public_key(kv: KV, caller: AnyRole) -> Response:
     """The Ed25519 checkpoint verification key (PEM), for ``tenantkv audit verify``."""
-    with kv.db.read() as session:
-        pem = kv.audit.public_key_pem(session)
+    with kv.context.index.read() as session:
+        pem = kv.context.audit.public_key_pem(session)
     return Response(pem, media_type="application/x-pem-file")
 
 

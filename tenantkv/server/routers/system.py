@@ -17,8 +17,8 @@ _PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 def healthz(kv: KV) -> JSONResponse:
     """200 when the index answers; 503 otherwise. Reveals nothing about tenants."""
     try:
-        kv.check_open()
-        kv.db.schema_version()
+        kv.context.runtime.check_open()
+        kv.context.index.schema_version()
     except (TenantKVError, SQLAlchemyError):
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})

@@ -15,12 +15,11 @@ from sqlalchemy import select
 from ...audit import ROLE_TENANT_ADMIN, TENANT_DELETE
 from ...errors import InvalidRequestError, TenantNotFoundError
 from ...index.schema import Tenant
-from ...tenants import TenantInfo
+from ...services.tenants import TenantInfo
 from ..auth import revoke_tenant_tokens
 from ..caller import Caller
 from ..dependencies import KV, TenantCaller, TenantOperator, refuse, require_roles
 from ..errors import FORBIDDEN, ApiError
-from ..purge import purge
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
 
@@ -153,11 +152,11 @@ def update_tenant(
 def delete_tenant(name: str, kv: KV, caller: TenantOperator) -> Response:
     """Crypto-shred the tenant. Its API tokens are revoked first (in their own transaction,
     audited there), so a tenant created again under this name inherits no admins."""
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         if session.scalar(select(Tenant.id).where(Tenant.name == name)) is None:
             raise TenantNotFoundError(name)
         revoked = revoke_tenant_tokens(kv, session, name)
-        kv.audit.append(
+        kv.context.audit.append(
             session,
             caller.event(
                 name, "token.revoke", name, details={"tenant_tokens": revoked, "for": TENANT_DELETE}
@@ -206,7 +205,7 @@ def purge_cache(
     name: str, kv: KV, caller: TenantCaller, body: PurgeRequest | None = None
 ) -> PurgeOut:
     """Drop the tenant's cached prefixes (one scope's if given); the tenant and keys stay."""
-    report = purge(kv, caller, name, body.scope if body else None)
+    report = kv.purge(name, scope=body.scope if body else None, by=caller.attribution)
     return PurgeOut(
         extents=report.extents, bytes=report.bytes, skipped_in_use=report.skipped_in_use
     )

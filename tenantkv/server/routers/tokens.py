@@ -66,7 +66,7 @@ def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> flo
     if caller.role == ROLE_TENANT_ADMIN:
         limit = caller.principal.expires_at
         if limit is not None:
-            remaining = limit - kv.clock()
+            remaining = limit - kv.context.clock()
             ttl = remaining if ttl is None else min(ttl, remaining)
         elif ttl is None:
             ttl = settings.max_token_ttl_seconds
@@ -76,7 +76,7 @@ def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> flo
 def _create(
     kv: KV, caller: Caller, role: Role, tenant: str | None, ttl: float | None
 ) -> TokenCreated:
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         token = insert_token(
             kv,
             session,
@@ -115,7 +115,7 @@ def list_tenant_tokens(name: str, kv: KV, caller: TenantCaller) -> list[TokenOut
 @router.delete("/v1/tenants/{name}/tokens/{token_id}", status_code=204)
 def revoke_tenant_token(name: str, token_id: TokenId, kv: KV, caller: TenantCaller) -> Response:
     kv.get_tenant(name)
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         found = mark_revoked(
             kv,
             session,
@@ -145,7 +145,7 @@ def list_all_tokens(kv: KV, caller: Operator) -> list[TokenOut]:
 
 @router.delete("/v1/tokens/{token_id}", status_code=204)
 def revoke_token(token_id: TokenId, kv: KV, caller: Operator) -> Response:
-    with kv.db.write() as session:
+    with kv.context.index.write() as session:
         found = mark_revoked(
             kv,
             session,

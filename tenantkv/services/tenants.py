@@ -13,23 +13,23 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
-from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
-from .index import capacity, counters
-from .index.schema import DataKey, Extent, Namespace, Tenant
-from .quota import Evicted, make_room, tenant_bytes, total_quota
-from .retention import dumps as dumps_retention
-from .retention import loads as loads_retention
-from .retention import parse_retention
-
-if TYPE_CHECKING:
-    from .cache import TenantKV
+from ..audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
+from ..context import CacheContext
+from ..errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
+from ..index import capacity, counters
+from ..index import tenants as tenant_rows
+from ..index.quota import Evicted, make_room, tenant_bytes, total_quota
+from ..index.schema import Tenant
+from ..metering import UsageReport, read_usage
+from ..retention import dumps as dumps_retention
+from ..retention import loads as loads_retention
+from ..retention import parse_retention
+from .evictions import discard_evicted
 
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -61,21 +61,14 @@ def check_quota(quota_bytes: Any) -> int:
 
 
 def _row(session: Session, name: str, *, lock: bool = False) -> Tenant:
-    query = select(Tenant).where(Tenant.name == name)
-    if lock:
-        query = query.with_for_update()
-    row = session.scalar(query)
+    row = tenant_rows.find(session, name, lock=lock)
     if row is None:
         raise TenantNotFoundError(f"no tenant named {name!r}")
     return row
 
 
 def _info(session: Session, row: Tenant) -> TenantInfo:
-    versions = tuple(
-        session.scalars(
-            select(DataKey.version).where(DataKey.tenant_id == row.id).order_by(DataKey.version)
-        ).all()
-    )
+    versions = tenant_rows.key_versions(session, row.id)
     return TenantInfo(
         name=row.name,
         created_at=row.created_at,
@@ -87,7 +80,9 @@ def _info(session: Session, row: Tenant) -> TenantInfo:
     )
 
 
-def _check_capacity(kv: TenantKV, session: Session, quota: int, tenant_id: bytes | None) -> None:
+def _check_capacity(
+    ctx: CacheContext, session: Session, quota: int, tenant_id: bytes | None
+) -> None:
     """Quotas reserve capacity: refuse a quota that would overcommit the store."""
     store = capacity.read(session)
     assert store is not None, "the capacity is set when the index is first opened"
@@ -103,23 +98,23 @@ def _check_capacity(kv: TenantKV, session: Session, quota: int, tenant_id: bytes
 
 
 def create_tenant(
-    kv: TenantKV,
+    ctx: CacheContext,
     name: str,
     quota_bytes: int | None,
     retention: Mapping[str, Any] | None,
     by: Attribution,
 ) -> TenantInfo:
     check_tenant_name(name)
-    quota = check_quota(kv.default_quota_bytes if quota_bytes is None else quota_bytes)
+    quota = check_quota(ctx.config.default_quota_bytes if quota_bytes is None else quota_bytes)
     classes = parse_retention(retention)
     tenant_id = secrets.token_bytes(16)
-    now = kv.clock()
-    wrapped = kv.keyring.new_data_key(tenant_id, 1)
+    now = ctx.clock()
+    wrapped = ctx.keys.new_data_key(tenant_id, 1)
     try:
-        with kv.db.write() as session:
-            if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        with ctx.index.write() as session:
+            if tenant_rows.id_of(session, name) is not None:
                 raise TenantExistsError(f"tenant {name!r} already exists")
-            _check_capacity(kv, session, quota, None)
+            _check_capacity(ctx, session, quota, None)
             row = Tenant(
                 id=tenant_id,
                 name=name,
@@ -129,14 +124,9 @@ def create_tenant(
                 quota_bytes=quota,
                 retention=dumps_retention(classes),
             )
-            session.add(row)
-            session.flush()
-            session.add(
-                DataKey(tenant_id=tenant_id, version=1, wrapped_key=wrapped, created_at=now)
-            )
-            session.flush()
+            tenant_rows.add(session, row, wrapped)
             info = _info(session, row)
-            kv.audit.append(
+            ctx.audit.append(
                 session,
                 by.event(
                     name,
@@ -151,7 +141,7 @@ def create_tenant(
 
 
 def update_tenant(
-    kv: TenantKV,
+    ctx: CacheContext,
     name: str,
     quota_bytes: int | None,
     retention: Mapping[str, Any] | None,
@@ -161,21 +151,17 @@ def update_tenant(
     new retention applies to existing extents from their last use."""
     if quota_bytes is not None:
         check_quota(quota_bytes)
-    now = kv.clock()
-    with kv.db.write() as session:
+    now = ctx.clock()
+    with ctx.index.write() as session:
         row = _row(session, name, lock=True)
         evicted: list[Evicted] = []
         if retention is not None:
             classes = {**loads_retention(row.retention), **_given(retention)}
             row.retention = dumps_retention(classes)
             for kind, ttl in classes.items():
-                session.execute(
-                    update(Extent)
-                    .where(Extent.tenant_id == row.id, Extent.kind == kind)
-                    .values(expires_at=Extent.last_used_at + ttl)
-                )
+                tenant_rows.restart_retention(session, row.id, kind, ttl)
         if quota_bytes is not None:
-            _check_capacity(kv, session, quota_bytes, row.id)
+            _check_capacity(ctx, session, quota_bytes, row.id)
             row.quota_bytes = quota_bytes
             # The operator's quota takes effect now: a running load's extent leaves the
             # index if it must, and its bytes stay until the load's lease ends.
@@ -190,8 +176,8 @@ def update_tenant(
             changes["quota_bytes"] = quota_bytes
         if retention is not None:
             changes["retention"] = dict(info.retention or {})
-        kv.audit.append(session, by.event(name, TENANT_UPDATE, name, details=changes))
-    kv.discard_evicted(row.id, evicted)
+        ctx.audit.append(session, by.event(name, TENANT_UPDATE, name, details=changes))
+    discard_evicted(ctx, row.id, evicted)
     return info
 
 
@@ -201,35 +187,29 @@ def _given(retention: Mapping[str, Any]) -> dict[str, float]:
     return {kind: parsed[kind] for kind in retention}
 
 
-def get_tenant(kv: TenantKV, name: str) -> TenantInfo:
-    with kv.db.read() as session:
+def get_tenant(ctx: CacheContext, name: str) -> TenantInfo:
+    with ctx.index.read() as session:
         return _info(session, _row(session, name))
 
 
-def list_tenants(kv: TenantKV) -> list[TenantInfo]:
-    with kv.db.read() as session:
-        rows = session.scalars(select(Tenant).order_by(Tenant.name)).all()
-        return [_info(session, row) for row in rows]
+def list_tenants(ctx: CacheContext) -> list[TenantInfo]:
+    with ctx.index.read() as session:
+        return [_info(session, row) for row in tenant_rows.all_by_name(session)]
 
 
-def delete_tenant(kv: TenantKV, name: str, by: Attribution) -> int:
+def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
     """Crypto-shred a tenant: keys and index rows go in one transaction, then the bytes.
 
     Returns the number of extents whose files were removed.
     """
-    with kv.db.write() as session:
+    with ctx.index.write() as session:
         row = _row(session, name, lock=True)
         tenant_id = row.id
-        extent_ids = list(session.scalars(select(Extent.id).where(Extent.tenant_id == tenant_id)))
-        namespace_ids = list(
-            session.scalars(select(Namespace.id).where(Namespace.tenant_id == tenant_id))
-        )
-        # Keys first: once this commits nothing left in the index opens the tenant's bytes.
-        session.execute(delete(DataKey).where(DataKey.tenant_id == tenant_id))
-        session.execute(delete(Namespace).where(Namespace.tenant_id == tenant_id))
-        session.delete(row)  # cascades: extents, blocks, usage
+        extent_ids = tenant_rows.extent_ids(session, tenant_id)
+        namespace_ids = tenant_rows.namespace_ids(session, tenant_id)
+        tenant_rows.shred(session, row)  # keys first, in the same transaction
         counters.bump(session, counters.KEY_EPOCH)  # other nodes drop its cached keys
-        kv.audit.append(
+        ctx.audit.append(
             session,
             by.event(
                 name,
@@ -238,51 +218,40 @@ def delete_tenant(kv: TenantKV, name: str, by: Attribution) -> int:
                 details={"extents": len(extent_ids), "namespaces": len(namespace_ids)},
             ),
         )
-    kv.db.scrub_log()
-    kv.keyring.forget_tenant(tenant_id, namespace_ids)
-    kv.meter.forget_tenant(tenant_id)
-    return kv.remover.remove_bytes(extent_ids)
+    ctx.index.scrub_log()
+    ctx.keys.forget_tenant(tenant_id, namespace_ids)
+    ctx.meter.forget_tenant(tenant_id)
+    return ctx.remover.remove_bytes(extent_ids)
 
 
-def rotate_keys(kv: TenantKV, name: str, by: Attribution) -> int:
+def rotate_keys(ctx: CacheContext, name: str, by: Attribution) -> int:
     """Start a new data-key version for new writes; return it. Old versions stay readable."""
-    with kv.db.write() as session:
+    with ctx.index.write() as session:
         row = _row(session, name, lock=True)
         version = row.current_key_version + 1
-        wrapped = kv.keyring.new_data_key(row.id, version)
-        session.add(
-            DataKey(tenant_id=row.id, version=version, wrapped_key=wrapped, created_at=kv.clock())
-        )
+        wrapped = ctx.keys.new_data_key(row.id, version)
+        tenant_rows.add_data_key(session, row.id, version, wrapped, ctx.clock())
         row.current_key_version = version
-        row.updated_at = kv.clock()
+        row.updated_at = ctx.clock()
         counters.bump(session, counters.KEY_EPOCH)
-        kv.audit.append(
+        ctx.audit.append(
             session, by.event(name, KEYS_ROTATE, name, details={"new_version": version})
         )
     return version
 
 
-def unused_old_versions(session: Session, tenant: Tenant) -> list[int]:
-    """Key versions older than the current one that no extent is sealed with."""
-    in_use = set(
-        session.scalars(
-            select(Extent.key_version).where(Extent.tenant_id == tenant.id).distinct()
-        ).all()
-    )
-    versions = session.scalars(
-        select(DataKey.version).where(
-            DataKey.tenant_id == tenant.id, DataKey.version < tenant.current_key_version
-        )
-    ).all()
-    return [v for v in versions if v not in in_use]
-
-
-def count_extents_with_old_keys(session: Session, tenant: Tenant) -> int:
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(Extent)
-            .where(Extent.tenant_id == tenant.id, Extent.key_version < tenant.current_key_version)
-        )
-        or 0
-    )
+def usage(
+    ctx: CacheContext,
+    name: str,
+    scope: str | None,
+    since: float | None,
+    until: float | None,
+) -> UsageReport:
+    """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until)."""
+    ctx.meter.flush(ctx.index)
+    with ctx.index.read() as session:
+        tenant_id = tenant_rows.id_of(session, name)
+    if tenant_id is None:
+        raise TenantNotFoundError(f"no tenant named {name!r}")
+    counters = read_usage(ctx.index, tenant_id, scope, since, until)
+    return UsageReport(name, scope, since, until, counters, ctx.config.hit_cost)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from .errors import QuotaExceededError
-from .index import extents, leases
-from .index.schema import Extent, Tenant
+from ..errors import QuotaExceededError
+from . import extents, leases
+from .schema import Extent, Tenant
 
 
 @dataclass(frozen=True)

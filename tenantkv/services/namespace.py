@@ -8,21 +8,23 @@ namespaces: each has its own hashing key, so identical tokens give unrelated blo
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from sqlalchemy import Connection, delete, func, select
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from .audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
-from .buffers import thread_buffer
-from .crypto import ExtentCipher, SegmentContext, new_salt
-from .errors import (
+from ..audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
+from ..buffers import thread_buffer
+from ..context import CacheContext
+from ..crypto import CipherSuite, ExtentCipher, SegmentContext, new_salt
+from ..errors import (
     CacheMissError,
     CacheUnavailableError,
     InvalidRequestError,
@@ -31,23 +33,24 @@ from .errors import (
     SegmentIntegrityError,
     TenantNotFoundError,
 )
-from .extent_format import ExtentGeometry
-from .health import LOST_EXTENTS
-from .index.plan import ExtentRow, locate_blocks, record_use
-from .index.schema import Block, DataKey, Extent, Tenant
-from .layout import KVLayout
-from .load_targets import LoadTarget
-from .loader import ExtentFailure, LoadStream, open_readers
-from .prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys
-from .quota import Evicted, make_room
-from .read_plan import PlannedExtent, ReadPlan, group_runs
-from .retention import DEFAULT_KIND, check_kind
-from .retention import loads as loads_retention
-from .storage import ExtentWriter, StorageError
-from .tokens import as_token_array
-
-if TYPE_CHECKING:
-    from .cache import TenantKV
+from ..extent_format import ExtentGeometry
+from ..health import LOST_EXTENTS
+from ..index import blocks, namespaces
+from ..index.plan import ExtentRow, locate_blocks, record_use
+from ..index.quota import Evicted, make_room
+from ..index.schema import Extent
+from ..index.schema import Namespace as NamespaceRow
+from ..layout import KVLayout
+from ..load_targets import LoadTarget
+from ..loader import ExtentFailure, LoadStream, open_readers
+from ..prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys, model_fingerprint
+from ..read_plan import PlannedExtent, ReadPlan, group_runs
+from ..retention import DEFAULT_KIND, check_kind
+from ..retention import loads as loads_retention
+from ..storage import ExtentWriter, StorageError
+from ..tokens import as_token_array
+from .evictions import discard_evicted
+from .tenants import check_tenant_name
 
 logger = logging.getLogger("tenantkv")
 
@@ -69,9 +72,9 @@ class Namespace:
     """Store, look up and load prefix caches of one (tenant, scope, model fingerprint)."""
 
     def __init__(
-        self, kv: TenantKV, identity: NamespaceIdentity, layout: KVLayout, hash_key: bytes
+        self, ctx: CacheContext, identity: NamespaceIdentity, layout: KVLayout, hash_key: bytes
     ) -> None:
-        self._kv = kv
+        self._ctx = ctx
         self.identity = identity
         self.layout = layout
         self._hash_key = hash_key
@@ -100,29 +103,15 @@ class Namespace:
         return block_keys(self._hash_key, self.identity.fingerprint, as_token_array(tokens))
 
     def _present_keys(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> set[bytes]:
-        """The subset of ``keys`` that is indexed, queried in chunks.
-
-        With ``stop_at_gap`` the query stops after the first chunk that misses a key, since
-        nothing after a gap can extend the prefix.
-        """
-        found: set[bytes] = set()
-        now = self._kv.clock()
-        with self._kv.db.read() as session:
-            for start in range(0, len(keys), _QUERY_CHUNK):
-                chunk = list(keys[start : start + _QUERY_CHUNK])
-                rows = session.scalars(
-                    select(Block.block_key)
-                    .join(Extent, Extent.id == Block.extent_id)
-                    .where(
-                        Block.namespace_id == self.identity.namespace_id,
-                        Block.block_key.in_(chunk),
-                        Extent.expires_at > now,  # expired blocks are misses before GC runs
-                    )
-                ).all()
-                found.update(rows)
-                if stop_at_gap and len(rows) < len(chunk):
-                    break
-        return found
+        """The subset of ``keys`` that is indexed (see ``index.blocks.present_keys``)."""
+        with self._ctx.index.read() as session:
+            return blocks.present_keys(
+                session,
+                self.identity.namespace_id,
+                keys,
+                self._ctx.clock(),
+                stop_at_gap=stop_at_gap,
+            )
 
     @staticmethod
     def _run_from_zero(keys: Sequence[BlockKey], present: set[bytes] | dict[bytes, Any]) -> int:
@@ -141,7 +130,7 @@ class Namespace:
         Index failures degrade to 0 (logged, counted, not metered) unless the cache was opened
         with ``strict=True``.
         """
-        self._kv.check_open()
+        self._ctx.runtime.check_open()
         token_array = as_token_array(tokens)
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
         hit = 0
@@ -150,7 +139,7 @@ class Namespace:
                 present = self._present_keys(keys, stop_at_gap=True)
             except SQLAlchemyError as err:
                 # An index outage is the operator's, not a miss to bill to the tenant.
-                return self._kv.serving.degrade("lookup", err, 0)
+                return self._ctx.serving.degrade("lookup", err, 0)
             hit = self._run_from_zero(keys, present) * BLOCK_TOKENS
         self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
         return hit
@@ -158,14 +147,14 @@ class Namespace:
     def cached_length(self, tokens: Any) -> int:
         """Like :meth:`lookup`, but not metered: for a writer deciding what to pass to
         :meth:`store` (``start=``), not for answering requests. Failures degrade to 0."""
-        self._kv.check_open()
+        self._ctx.runtime.check_open()
         keys = self._keys(tokens)
         if not keys:
             return 0
         try:
             present = self._present_keys(keys, stop_at_gap=True)
         except SQLAlchemyError as err:
-            return self._kv.serving.degrade("cached_length", err, 0)
+            return self._ctx.serving.degrade("cached_length", err, 0)
         return self._run_from_zero(keys, present) * BLOCK_TOKENS
 
     # ---- store --------------------------------------------------------------------------------
@@ -188,7 +177,7 @@ class Namespace:
         quota first evicts the tenant's least recently used extents; one that cannot fit
         raises QuotaExceededError.
         """
-        self._kv.check_open()
+        self._ctx.runtime.check_open()
         token_array = as_token_array(tokens)
         if (
             isinstance(start, bool)
@@ -219,28 +208,19 @@ class Namespace:
                 return 0
             return self._store_blocks(keys, positions, rows, start // BLOCK_TOKENS, kind, settings)
         except (SQLAlchemyError, StorageError) as err:
-            return self._kv.serving.degrade("store", err, 0)
+            return self._ctx.serving.degrade("store", err, 0)
 
     def _tenant_settings(self) -> tuple[int, bytes, int, dict[str, float]]:
         """(key version, data key, quota bytes, retention) of the tenant, now."""
-        with self._kv.db.read() as session:
-            row = session.execute(
-                select(Tenant.current_key_version, Tenant.quota_bytes, Tenant.retention).where(
-                    Tenant.id == self.identity.tenant_id
-                )
-            ).one_or_none()
-            if row is None:
-                raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
-            version, quota, retention = row
-            wrapped = session.scalar(
-                select(DataKey.wrapped_key).where(
-                    DataKey.tenant_id == self.identity.tenant_id, DataKey.version == version
-                )
-            )
-        if wrapped is None:
+        with self._ctx.index.read() as session:
+            settings = blocks.write_settings(session, self.identity.tenant_id)
+        if settings is None:
+            raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
+        version = settings.key_version
+        if settings.wrapped_key is None:
             raise CacheUnavailableError(f"tenant {self.tenant!r} has no data key {version}")
-        data_key = self._kv.keyring.data_key(self.identity.tenant_id, version, wrapped)
-        return version, data_key, quota, loads_retention(retention)
+        data_key = self._ctx.keys.data_key(self.identity.tenant_id, version, settings.wrapped_key)
+        return version, data_key, settings.quota_bytes, loads_retention(settings.retention)
 
     def _store_blocks(
         self,
@@ -252,7 +232,7 @@ class Namespace:
         settings: tuple[int, bytes, int, dict[str, float]],
     ) -> int:
         key_version, data_key, quota, retention = settings
-        suite = self._kv.suite
+        suite = self._ctx.config.suite
         geometry = ExtentGeometry(
             num_blocks=len(positions),
             num_layers=self.layout.num_layers,
@@ -260,7 +240,7 @@ class Namespace:
             suite=suite,
         )
         if geometry.total_bytes > quota:
-            self._kv.record_security_event(
+            self._ctx.incidents.record(
                 "quota_refused",
                 self.tenant,
                 f"store of {geometry.total_bytes} B > quota {quota} B",
@@ -279,15 +259,13 @@ class Namespace:
                 extent_id, geometry, key_version, salt, keys, positions, kind, retention[kind]
             )
         except BaseException as err:
-            self._kv.store_backend.delete(extent_id)
+            self._ctx.blocks.delete(extent_id)
             if isinstance(err, QuotaExceededError):
-                self._kv.record_security_event(
-                    "quota_refused", self.tenant, str(err), QUOTA_REFUSED
-                )
+                self._ctx.incidents.record("quota_refused", self.tenant, str(err), QUOTA_REFUSED)
             raise
         if inserted == 0:
-            self._kv.store_backend.delete(extent_id)  # another writer indexed these blocks first
-        self._kv.discard_evicted(self.identity.tenant_id, evicted)
+            self._ctx.blocks.delete(extent_id)  # another writer indexed these blocks first
+        discard_evicted(self._ctx, self.identity.tenant_id, evicted)
         if inserted:
             self._meter(stored_tokens=inserted * BLOCK_TOKENS, stored_bytes=geometry.total_bytes)
         return inserted * BLOCK_TOKENS
@@ -338,13 +316,13 @@ class Namespace:
         and no layer waits for another; the window keeps a large store from queueing all its
         layers ahead of concurrent loads on the shared pool.
         """
-        executor = self._kv.executor
-        with self._kv.store_backend.create() as writer:
+        executor = self._ctx.runtime.seal_executor
+        with self._ctx.blocks.create() as writer:
             writer.write_at(0, geometry.header())
             pending: set[Future[None]] = set()
             try:
                 for layer in range(geometry.num_layers):
-                    if len(pending) >= self._kv.window:
+                    if len(pending) >= self._ctx.runtime.window:
                         done, pending = wait_futures(pending, return_when=FIRST_COMPLETED)
                         for future in done:
                             future.result()
@@ -380,76 +358,36 @@ class Namespace:
         kind: str,
         ttl: float,
     ) -> tuple[int, list[Evicted]]:
-        now = self._kv.clock()
+        now = self._ctx.clock()
         namespace_id = self.identity.namespace_id
         tenant_id = self.identity.tenant_id
         evicted: list[Evicted] = []
-        with self._kv.db.write() as session:
-            # Serialise quota accounting per tenant across processes (a no-op on SQLite, whose
-            # write transactions are already exclusive).
-            quota = session.scalar(
-                select(Tenant.quota_bytes).where(Tenant.id == tenant_id).with_for_update()
-            )
+        with self._ctx.index.write() as session:
+            quota = blocks.lock_quota(session, tenant_id)
             if quota is None:
                 raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
-            session.add(
-                Extent(
-                    id=extent_id,
-                    namespace_id=namespace_id,
-                    tenant_id=tenant_id,
-                    key_version=key_version,
-                    kind=kind,
-                    suite=int(geometry.suite),
-                    salt=salt,
-                    num_blocks=geometry.num_blocks,
-                    num_layers=geometry.num_layers,
-                    segment_bytes=geometry.segment_bytes,
-                    size_bytes=geometry.total_bytes,
-                    created_at=now,
-                    last_used_at=now,
-                    expires_at=now + ttl,
-                )
+            extent = Extent(
+                id=extent_id,
+                namespace_id=namespace_id,
+                tenant_id=tenant_id,
+                key_version=key_version,
+                kind=kind,
+                suite=int(geometry.suite),
+                salt=salt,
+                num_blocks=geometry.num_blocks,
+                num_layers=geometry.num_layers,
+                segment_bytes=geometry.segment_bytes,
+                size_bytes=geometry.total_bytes,
+                created_at=now,
+                last_used_at=now,
+                expires_at=now + ttl,
             )
-            session.flush()
-            # Rows of these blocks left by an expired extent (not yet collected) would make the
-            # insert skip them, so an expired prefix could not be stored again until GC.
-            expired = select(Extent.id).where(
-                Extent.namespace_id == namespace_id, Extent.expires_at <= now
-            )
-            for start in range(0, len(positions), _QUERY_CHUNK):
-                chunk = [keys[p] for p in positions[start : start + _QUERY_CHUNK]]
-                session.execute(
-                    delete(Block).where(
-                        Block.namespace_id == namespace_id,
-                        Block.block_key.in_(chunk),
-                        Block.extent_id.in_(expired),
-                    )
-                )
-            session.execute(
-                self._kv.db.insert_ignoring_duplicates(Block.__table__),
-                [
-                    {
-                        "namespace_id": namespace_id,
-                        "block_key": keys[position],
-                        "extent_id": extent_id,
-                        "slot": slot,
-                        "position": position,
-                        "stored_at": now,
-                        "last_used_at": now,
-                    }
-                    for slot, position in enumerate(positions)
-                ],
-            )
-            inserted = session.scalar(
-                select(func.count()).select_from(Block).where(Block.extent_id == extent_id)
-            )
-            if not inserted:
-                session.execute(delete(Extent).where(Extent.id == extent_id))
-            else:
+            inserted = blocks.index_blocks(self._ctx.index, session, extent, keys, positions)
+            if inserted:
                 evicted = make_room(
                     session, tenant_id, quota, now, lease_now=time.time(), keep=extent_id
                 )
-        return int(inserted or 0), evicted
+        return inserted, evicted
 
     # ---- load ---------------------------------------------------------------------------------
 
@@ -476,7 +414,7 @@ class Namespace:
         for bad arguments, and :class:`SegmentIntegrityError` when an extent is found damaged
         before the first layer.
         """
-        self._kv.check_open()
+        self._ctx.runtime.check_open()
         target_device = self._parse_device(device)
         token_array = as_token_array(tokens)
         if len(token_array) == 0 or len(token_array) % BLOCK_TOKENS:
@@ -486,16 +424,16 @@ class Namespace:
             )
         keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
         target = LoadTarget(
-            self.layout, target_device, len(keys), out, block_rows, self._kv.layer_pool
+            self.layout, target_device, len(keys), out, block_rows, self._ctx.runtime.layer_pool
         )
         try:
             plan, lease = self._plan_and_lease(keys)
         except SQLAlchemyError as err:
-            raise self._kv.serving.load_unavailable(err) from err
+            raise self._ctx.serving.load_unavailable(err) from err
         try:
-            readers = open_readers(self._kv.store_backend, plan)
+            readers = open_readers(self._ctx.blocks, plan)
         except ExtentFailure as failure:
-            self._kv.leases.release(lease)
+            self._ctx.leases.release(lease)
             self._handle_failure(failure)
             if failure.lost:
                 raise CacheMissError(
@@ -509,28 +447,28 @@ class Namespace:
                 "a cached extent is damaged; the prefix was dropped", delivered_layers=0
             ) from failure.cause
         extent_ids = [extent.extent_id for extent in plan.extents]
-        started = self._kv.clock()
+        started = self._ctx.clock()
         try:
             stream = LoadStream(
                 plan=plan,
                 layout=self.layout,
                 readers=readers,
                 target=target,
-                pool=self._kv.load_executor,
-                ring=self._kv.staging_ring(pinned=target.device.type == "cuda"),
-                window=self._kv.window,
-                workers=self._kv.workers,
+                pool=self._ctx.runtime.load_executor,
+                ring=self._ctx.runtime.staging_ring(pinned=target.device.type == "cuda"),
+                window=self._ctx.runtime.window,
+                workers=self._ctx.runtime.workers,
                 on_failure=self._handle_failure,
                 # Record the use after the load, off its critical path (the index write would
                 # otherwise compete for the interpreter with the first layer's workers).
                 on_close=lambda stream: self._finish_load(stream, lease, extent_ids, started),
             )
         except BaseException:
-            self._kv.leases.release(lease)
+            self._ctx.leases.release(lease)
             for reader in readers.values():
                 reader.close()
             raise
-        self._kv.track_stream(stream)
+        self._ctx.runtime.track_stream(stream)
         return stream
 
     def prefetch(self, tokens: Any) -> int:
@@ -541,14 +479,14 @@ class Namespace:
         memory. Holds no buffers or threads of its own; a prefetch that is never followed by a
         load costs only the read. Failures degrade to 0.
         """
-        self._kv.check_open()
+        self._ctx.runtime.check_open()
         keys = self._keys(tokens)
         try:
             present = self._present_keys(keys, stop_at_gap=True)
             cached = self._run_from_zero(keys, present)
             if cached == 0:
                 return 0
-            with self._kv.db.read_connection() as connection:
+            with self._ctx.index.read_connection() as connection:
                 plan = self._plan(connection, keys[:cached])
             for run in plan.runs:
                 geometry = run.extent.geometry
@@ -556,9 +494,9 @@ class Namespace:
                     (geometry.offset(layer, run.first_slot), run.count * geometry.sealed_bytes)
                     for layer in range(geometry.num_layers)
                 ]
-                self._kv.store_backend.prefetch(run.extent.extent_id, ranges)
+                self._ctx.blocks.prefetch(run.extent.extent_id, ranges)
         except (SQLAlchemyError, StorageError, CacheMissError) as err:
-            return self._kv.serving.degrade("prefetch", err, 0)
+            return self._ctx.serving.degrade("prefetch", err, 0)
         return cached * BLOCK_TOKENS
 
     @staticmethod
@@ -578,12 +516,12 @@ class Namespace:
         transaction: an extent this plan names cannot lose its bytes before the lease holds."""
         lease: bytes | None = None
         try:
-            with self._kv.db.write_connection() as connection:
+            with self._ctx.index.write_connection() as connection:
                 plan = self._plan(connection, keys)
-                lease = self._kv.leases.acquire(connection, [e.extent_id for e in plan.extents])
+                lease = self._ctx.leases.acquire(connection, [e.extent_id for e in plan.extents])
         except BaseException:
             if lease is not None:  # the transaction that took it rolled back
-                self._kv.leases.forget(lease)
+                self._ctx.leases.forget(lease)
             raise
         return plan, lease
 
@@ -596,7 +534,7 @@ class Namespace:
         located: dict[bytes, tuple[str, int]] = {}
         extents: dict[str, ExtentRow] = {}
         identity = self.identity
-        now = self._kv.clock()
+        now = self._ctx.clock()
         for start in range(0, len(keys), _QUERY_CHUNK):
             chunk = keys[start : start + _QUERY_CHUNK]
             found, rows = locate_blocks(
@@ -623,14 +561,14 @@ class Namespace:
         if row.wrapped_key is None:
             raise CacheMissError(f"data key version {row.key_version} is gone")
         geometry = ExtentGeometry(
-            row.num_blocks, row.num_layers, row.segment_bytes, self._kv.suite_of(row.suite)
+            row.num_blocks, row.num_layers, row.segment_bytes, CipherSuite(row.suite)
         )
         if geometry.num_layers != self.layout.num_layers or geometry.segment_bytes != (
             BLOCK_TOKENS * self.layout.token_bytes
         ):
             raise CacheMissError("an indexed extent does not match this namespace's layout")
         tenant_id = self.identity.tenant_id
-        data_key = self._kv.keyring.data_key(tenant_id, row.key_version, row.wrapped_key)
+        data_key = self._ctx.keys.data_key(tenant_id, row.key_version, row.wrapped_key)
         context = SegmentContext(tenant_id, row.key_version, self.identity.namespace_id)
         cipher = ExtentCipher(data_key, row.salt, context, geometry.suite)
         return PlannedExtent(row.extent_id, geometry, cipher)
@@ -638,28 +576,28 @@ class Namespace:
     def _finish_load(
         self, stream: LoadStream, lease: bytes, extent_ids: list[str], started: float
     ) -> None:
-        """After a load: meter it; in the background, record the use and end the lease."""
+        """After a load: end its lease now (so eviction, GC and re-sealing see the extents as
+        free the moment the load is closed, whatever the background pool is doing), meter it,
+        and in the background record the use and remove the bytes of extents that left the
+        index while the lease kept them."""
+        self._ctx.leases.release(lease, remove_unindexed=False)
         if stream.delivered_layers == stream.num_layers:
             self._meter(served_tokens=stream.num_tokens)
-        self._kv.submit_background(self._touch, lease, extent_ids, started)
+        self._ctx.runtime.submit_background(self._touch, extent_ids, started)
 
-    def _touch(self, lease: bytes, extent_ids: list[str], now: float) -> None:
+    def _touch(self, extent_ids: list[str], now: float) -> None:
         """Mark extents as used at ``now`` (their retention restarts and LRU eviction sees
-        the use) and end the load's lease, in one transaction; then remove the bytes of any
-        extent that left the index while the lease kept them. Bookkeeping only: never fails a
-        load (a lease that cannot be released lapses)."""
+        the use), then remove the bytes of any extent that left the index while the lease kept
+        them. Bookkeeping only: never fails a load."""
         try:
-            with self._kv.db.write_connection() as connection:
+            with self._ctx.index.write_connection() as connection:
                 record_use(connection, self.identity.tenant_id, extent_ids, now)
-                self._kv.leases.release(lease, connection)
         except SQLAlchemyError as err:
-            logger.warning("could not record extent use or end a lease: %s", err)
-            self._kv.leases.release(lease)
-            return
-        self._kv.leases.remove_unindexed(extent_ids)
+            logger.warning("could not record extent use: %s", err)
+        self._ctx.leases.remove_unindexed(extent_ids)
 
     def _meter(self, **counts: int) -> None:
-        self._kv.meter.add(self.identity.tenant_id, self.scope or "", self._kv.clock(), **counts)
+        self._ctx.meter.add(self.identity.tenant_id, self.scope or "", self._ctx.clock(), **counts)
 
     # ---- failures -----------------------------------------------------------------------------
 
@@ -667,25 +605,77 @@ class Namespace:
         """Integrity: drop the extent and record a security event. Lost: drop it from the index
         and count it. I/O: log it (the bytes may well be intact)."""
         if failure.integrity:
-            self._kv.record_security_event(
+            self._ctx.incidents.record(
                 "segment_open_failed",
                 self.tenant,
                 f"extent {failure.extent_id} layer {failure.layer}: {failure.cause}",
                 SEGMENT_OPEN_FAILED,
             )
-            self._kv.drop_extent(failure.extent_id)
+            self._ctx.remover.drop_damaged(failure.extent_id)
         elif failure.lost:
             # Not evidence of an attack (a shared tier evicted it, a disk lost it): the index
             # forgets it, so later lookups miss, and operators see a counter.
             logger.warning("extent %s is lost: %s", failure.extent_id, failure.cause)
-            self._kv.health.count(LOST_EXTENTS)
-            self._kv.drop_extent(failure.extent_id)
+            self._ctx.health.count(LOST_EXTENTS)
+            self._ctx.remover.drop_damaged(failure.extent_id)
         else:
             logger.warning("reading extent %s failed: %s", failure.extent_id, failure.cause)
 
     def cached_blocks(self) -> Iterator[int]:
         """Positions of this namespace's cached blocks (for checks and tests; no token data)."""
-        with self._kv.db.read() as session:
-            yield from session.scalars(
-                select(Block.position).where(Block.namespace_id == self.identity.namespace_id)
-            ).all()
+        with self._ctx.index.read() as session:
+            yield from blocks.cached_positions(session, self.identity.namespace_id)
+
+
+_MAX_SCOPE = 256
+_MAX_MODEL = 256
+
+
+def _check_label(what: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str) or not value or len(value) > limit or not value.isprintable():
+        raise InvalidRequestError(f"{what} must be a printable string of 1-{limit} characters")
+    return value
+
+
+def open_namespace(
+    ctx: CacheContext,
+    tenant: str,
+    *,
+    model: str,
+    layout: KVLayout,
+    scope: str | None,
+    revision: str | None,
+) -> Namespace:
+    """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
+    check_tenant_name(tenant)
+    _check_label("model", model, _MAX_MODEL)
+    if scope is not None:
+        _check_label("scope", scope, _MAX_SCOPE)
+    if revision is not None:
+        _check_label("revision", revision, _MAX_MODEL)
+    if not isinstance(layout, KVLayout):
+        raise InvalidRequestError("layout must be a tenantkv.KVLayout")
+    fingerprint = model_fingerprint(model, revision, layout.describe())
+    scope_value = scope or ""
+    for _attempt in range(2):
+        with ctx.index.read() as session:
+            tenant_id, row = namespaces.find(session, tenant, scope_value, fingerprint.hex())
+        if tenant_id is None:
+            raise TenantNotFoundError(f"no tenant named {tenant!r}")
+        if row is None:
+            namespace_id = secrets.token_bytes(16)
+            row = NamespaceRow(
+                id=namespace_id,
+                tenant_id=tenant_id,
+                scope=scope_value,
+                model=model,
+                fingerprint=fingerprint.hex(),
+                wrapped_hash_key=ctx.keys.new_namespace_key(tenant_id, namespace_id),
+                created_at=ctx.clock(),
+            )
+            if not namespaces.create(ctx.index, row):
+                continue  # lost a creation race; read the winner's row
+        hash_key = ctx.keys.namespace_key(tenant_id, row.id, row.wrapped_hash_key)
+        identity = NamespaceIdentity(row.id, tenant_id, tenant, scope, model, fingerprint)
+        return Namespace(ctx, identity, layout, hash_key)
+    raise RuntimeError("namespace creation did not converge")  # pragma: no cover

@@ -9,28 +9,25 @@ file just before it indexes it.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from .audit import USAGE_SUMMARY, chain_for
-from .index import extents, leases
-from .index.schema import Extent, Namespace, SchemaInfo, Tenant
-from .metering import BUCKET_SECONDS, read_usage
-from .storage import StorageError
+from ..audit import USAGE_SUMMARY, chain_for
+from ..context import CacheContext
+from ..index import extents, leases, settings
+from ..index import tenants as tenant_rows
+from ..metering import BUCKET_SECONDS, read_usage
+from ..storage import StorageError
 
-if TYPE_CHECKING:
-    from .cache import TenantKV
-
+logger = logging.getLogger("tenantkv")
 Progress = Callable[[int, int], None]  # (done, total)
 _BATCH = 200
-_SUMMARY_MARK = "usage_summary_until"
 
 
 @dataclass(frozen=True)
@@ -42,31 +39,26 @@ class GcReport:
 
 
 def collect(
-    kv: TenantKV, *, orphan_grace: float = 600.0, progress: Progress | None = None
+    ctx: CacheContext, *, orphan_grace: float = 600.0, progress: Progress | None = None
 ) -> GcReport:
-    now = kv.clock()
-    with kv.db.read() as session:
-        expired = session.execute(
-            select(Extent.id, Extent.tenant_id, Extent.size_bytes, Namespace.scope)
-            .join(Namespace, Namespace.id == Extent.namespace_id)
-            .where(Extent.expires_at <= now)
-            .order_by(Extent.expires_at)
-        ).all()
-    with kv.db.read() as session:  # a running load on any node keeps its extents
+    now = ctx.clock()
+    with ctx.index.read() as session:
+        expired = extents.expired(session, now)
+    with ctx.index.read() as session:  # a running load on any node keeps its extents
         held = leases.leased(session, [row.id for row in expired], time.time())
     expired = [row for row in expired if row.id not in held]
-    existing = list(kv.store_backend.list())
+    existing = list(ctx.blocks.list())
     total = len(expired) + len(existing)
     done = 0
     removed_bytes = 0
     for start in range(0, len(expired), _BATCH):
         batch = expired[start : start + _BATCH]
         ids = [row.id for row in batch]
-        with kv.db.write() as session:  # index first ...
+        with ctx.index.write() as session:  # index first ...
             extents.delete_rows(session, ids)
-        kv.remover.remove_bytes(ids)  # ... bytes second
+        ctx.remover.remove_bytes(ids)  # ... bytes second
         for row in batch:
-            kv.meter.add(
+            ctx.meter.add(
                 row.tenant_id, row.scope, now, expired_extents=1, expired_bytes=row.size_bytes
             )
             removed_bytes += row.size_bytes
@@ -75,45 +67,45 @@ def collect(
             progress(done, total)
     collected = {row.id for row in expired}
     orphans = _sweep_orphans(
-        kv, [e for e in existing if e not in collected], now - orphan_grace, progress, done, total
+        ctx, [e for e in existing if e not in collected], now - orphan_grace, progress, done, total
     )
-    temporary = kv.store_backend.sweep_temporary(older_than=now - orphan_grace)
+    temporary = ctx.blocks.sweep_temporary(older_than=now - orphan_grace)
     try:
-        with kv.db.write() as session:  # leases of nodes that stopped renewing them
+        with ctx.index.write() as session:  # leases of nodes that stopped renewing them
             leases.drop_lapsed(session, time.time())
-        kv.meter.flush(kv.db)
-        _audit_maintenance(kv, now)
+        ctx.meter.flush(ctx.index)
+        _audit_maintenance(ctx, now)
     except SQLAlchemyError as err:  # metering and summaries are retried at the next run
-        kv.log.warning("metering flush or audit maintenance failed: %s", err)
+        logger.warning("metering flush or audit maintenance failed: %s", err)
     return GcReport(len(expired), removed_bytes, orphans, temporary)
 
 
-def _audit_maintenance(kv: TenantKV, now: float) -> None:
+def _audit_maintenance(ctx: CacheContext, now: float) -> None:
     """Periodic audit work, in one transaction: a usage summary per active tenant for the
     complete minutes since the last run (not one record per lookup), a signed checkpoint of
     each chain that grew, and the purge of audit records past their own retention."""
     until = float(int(now // BUCKET_SECONDS) * BUCKET_SECONDS)
-    with kv.db.write() as session:
-        mark = session.get(SchemaInfo, _SUMMARY_MARK)
-        since = float(mark.value) if mark is not None else None
+    with ctx.index.write() as session:
+        mark = settings.get(session, settings.USAGE_SUMMARY_MARK)
+        since = float(mark) if mark is not None else None
         chains = ["system"]
         if since is None or until > since:
-            for tenant_id, name in session.execute(select(Tenant.id, Tenant.name)).all():
-                counters = read_usage(kv.db, tenant_id, None, since, until)
+            for tenant_id, name in tenant_rows.names_and_ids(session):
+                counters = read_usage(ctx.index, tenant_id, None, since, until)
                 if any(counters.values()):
                     details: dict[str, object] = {"since": since, "until": until, **counters}
-                    kv.audit.append(
-                        session, kv.attribution.event(name, USAGE_SUMMARY, name, details=details)
+                    ctx.audit.append(
+                        session, ctx.attribution.event(name, USAGE_SUMMARY, name, details=details)
                     )
                     chains.append(chain_for(name))
-            session.merge(SchemaInfo(name=_SUMMARY_MARK, value=repr(until)))
-        kv.audit.purge_expired(session)
+            settings.put(session, settings.USAGE_SUMMARY_MARK, repr(until))
+        ctx.audit.purge_expired(session)
         for chain in chains:
-            kv.audit.checkpoint(session, chain)
+            ctx.audit.checkpoint(session, chain)
 
 
 def _sweep_orphans(
-    kv: TenantKV,
+    ctx: CacheContext,
     existing: list[str],
     cutoff: float,
     progress: Progress | None,
@@ -123,7 +115,7 @@ def _sweep_orphans(
     removed = 0
     for start in range(0, len(existing), _BATCH):
         batch = existing[start : start + _BATCH]
-        with kv.db.read() as session:
+        with ctx.index.read() as session:
             indexed = extents.indexed(session, batch)
             # An evicted extent a load still reads is unindexed but not an orphan yet.
             indexed |= leases.leased(session, batch, time.time())
@@ -131,11 +123,11 @@ def _sweep_orphans(
             if extent_id in indexed:
                 continue
             try:
-                if kv.store_backend.modified_at(extent_id) > cutoff:
+                if ctx.blocks.modified_at(extent_id) > cutoff:
                     continue  # possibly a store between writing and indexing
-                removed += kv.store_backend.delete(extent_id)
+                removed += ctx.blocks.delete(extent_id)
             except StorageError as err:
-                kv.log.warning("orphan sweep could not remove %s: %s", extent_id, err)
+                logger.warning("orphan sweep could not remove %s: %s", extent_id, err)
         done += len(batch)
         if progress is not None:
             progress(done, total)
@@ -147,8 +139,8 @@ def _sweep_orphans(
 class BackgroundGc:
     """Runs :func:`collect` every ``interval`` seconds on a daemon thread until stopped."""
 
-    def __init__(self, kv: TenantKV, interval: float) -> None:
-        self._kv = kv
+    def __init__(self, ctx: CacheContext, interval: float) -> None:
+        self._ctx = ctx
         self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tenantkv-gc", daemon=True)
@@ -161,10 +153,10 @@ class BackgroundGc:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self.last_report = collect(self._kv)
+                self.last_report = collect(self._ctx)
                 self.runs += 1
             except (SQLAlchemyError, StorageError) as err:
-                self._kv.log.warning("background GC failed (retrying next round): %s", err)
+                logger.warning("background GC failed (retrying next round): %s", err)
 
     def stop(self) -> None:
         self._stop.set()

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from sqlalchemy import select
-
+from ..audit import Attribution
+from ..context import CacheContext
 from ..errors import TenantNotFoundError
 from ..index import extents, leases
-from ..index.schema import Extent, Namespace, Tenant
-from .caller import Caller
-
-if TYPE_CHECKING:
-    from ..cache import TenantKV
+from ..index import tenants as tenant_rows
 
 CACHE_PURGE: Final = "cache.purge"
 
@@ -32,20 +28,15 @@ class PurgeReport:
     skipped_in_use: int
 
 
-def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> PurgeReport:
+def purge(ctx: CacheContext, by: Attribution, tenant: str, scope: str | None) -> PurgeReport:
     """Remove every extent of ``tenant`` (of ``scope`` only, if given; ``""`` is the tenant-wide
     scope); raise TenantNotFoundError if there is no such tenant."""
-    kv.check_open()
-    with kv.db.write() as session:
-        tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
+    ctx.runtime.check_open()
+    with ctx.index.write() as session:
+        tenant_id = tenant_rows.id_of(session, tenant)
         if tenant_id is None:
             raise TenantNotFoundError(f"no tenant named {tenant!r}")
-        query = select(Extent.id, Extent.size_bytes).where(Extent.tenant_id == tenant_id)
-        if scope is not None:
-            query = query.join(Namespace, Namespace.id == Extent.namespace_id).where(
-                Namespace.scope == scope
-            )
-        rows = session.execute(query).all()
+        rows = extents.of_tenant(session, tenant_id, scope)
         held = leases.leased(session, [row.id for row in rows], time.time())
         chosen = [(row.id, int(row.size_bytes)) for row in rows if row.id not in held]
         ids = [extent_id for extent_id, _ in chosen]
@@ -55,9 +46,9 @@ def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> Purge
             bytes=sum(size for _, size in chosen),
             skipped_in_use=len(rows) - len(chosen),
         )
-        kv.audit.append(
+        ctx.audit.append(
             session,
-            caller.event(
+            by.event(
                 tenant,
                 CACHE_PURGE,
                 tenant if scope is None else f"{tenant}/{scope}",
@@ -69,5 +60,5 @@ def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> Purge
                 },
             ),
         )
-    kv.remover.remove_bytes(ids)  # bytes second
+    ctx.remover.remove_bytes(ids)  # bytes second
     return report

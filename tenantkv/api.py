@@ -1,0 +1,371 @@
+"""The public face of a cache: :func:`open` and the thin :class:`TenantKV` facade.
+
+``open`` builds the components once (``tenantkv.context``) and the facade hands each call to the
+service that does it (``tenantkv.services``). The facade holds no logic of its own beyond the
+order of closing; its plumbing is private, except :attr:`TenantKV.context` for edges that embed
+the cache (the admin service, the CLI) and for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from .audit import Attribution
+from .config import CacheConfig, block_store_path
+from .context import CacheContext, build_context
+from .coordination import CoordinationThread
+from .crypto import KeyEncryptionKey, KeyWrapper, default_master_key_provider
+from .errors import InvalidRequestError
+from .index import leases, stats
+from .index.database import Database
+from .layout import KVLayout
+from .metering import UsageReport
+from .security_events import SecurityEvent
+from .services import capacity, purge, reseal, tenants
+from .services.gc import BackgroundGc, GcReport, Progress
+from .services.gc import collect as gc_collect
+from .services.namespace import Namespace, open_namespace
+from .services.purge import PurgeReport
+from .services.setup import prepare_index
+from .services.tenants import TenantInfo
+from .staging import RingStats
+from .storage import BlockStore, LocalBlockStore
+
+logger = logging.getLogger("tenantkv")
+
+
+class TenantKV:
+    """A tenantkv cache. Create with :func:`tenantkv.open`; close with :meth:`close` or ``with``."""
+
+    def __init__(self, context: CacheContext, key_wrapper: KeyWrapper) -> None:
+        self._ctx = context
+        self._gc: BackgroundGc | None = None
+        self._lock = threading.Lock()
+        self._coordination = CoordinationThread(context.leases, context.key_epoch)
+        try:
+            prepare_index(context, key_wrapper)
+        except BaseException:
+            context.runtime.shutdown(wait=False)
+            context.index.close()
+            raise
+        self._coordination.start()
+        if context.config.gc_interval is not None:
+            self.start_background_gc(context.config.gc_interval)
+
+    @property
+    def context(self) -> CacheContext:
+        """The cache's components, for edges that embed it (admin service, CLI) and tests."""
+        return self._ctx
+
+    @property
+    def config(self) -> CacheConfig:
+        return self._ctx.config
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close open streams, stop background work, flush metering, give back leases."""
+        runtime = self._ctx.runtime
+        if runtime.closed:
+            return
+        streams = runtime.begin_close()
+        if self._gc is not None:
+            self._gc.stop()
+        for stream in streams:  # their chunks must finish before the pools go away
+            stream.close()
+        self._coordination.stop()
+        try:
+            self._ctx.meter.flush(self._ctx.index)
+        except SQLAlchemyError as err:
+            logger.warning("metering could not be saved at close: %s", err)
+        runtime.shutdown()
+        self._ctx.leases.release_all()  # loads whose bookkeeping the shutdown cancelled
+        self._ctx.blocks.close()
+        self._ctx.index.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _open(self) -> CacheContext:
+        self._ctx.runtime.check_open()
+        return self._ctx
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    def create_tenant(
+        self,
+        name: str,
+        *,
+        quota_bytes: int | None = None,
+        retention: Mapping[str, Any] | None = None,
+        by: Attribution | None = None,
+    ) -> TenantInfo:
+        """Create a tenant with a fresh data key.
+
+        ``quota_bytes`` (default: the config's ``default_quota_bytes``) is reserved out of the
+        store's capacity; ``retention`` maps classes to durations (``{"agent": "3d"}``; classes
+        not named keep the defaults agent 3d, chat 7d). A duplicate name raises
+        TenantExistsError; a quota that does not fit the capacity raises QuotaExceededError.
+        """
+        ctx = self._open()
+        return tenants.create_tenant(ctx, name, quota_bytes, retention, by or ctx.attribution)
+
+    def update_tenant(
+        self,
+        name: str,
+        *,
+        quota_bytes: int | None = None,
+        retention: Mapping[str, Any] | None = None,
+        by: Attribution | None = None,
+    ) -> TenantInfo:
+        """Change quota and/or retention. A lower quota evicts the tenant's LRU extents now,
+        a running load's extent last: it leaves the index, its bytes stay until the load ends."""
+        ctx = self._open()
+        return tenants.update_tenant(ctx, name, quota_bytes, retention, by or ctx.attribution)
+
+    def get_tenant(self, name: str) -> TenantInfo:
+        return tenants.get_tenant(self._open(), name)
+
+    def list_tenants(self) -> list[TenantInfo]:
+        return tenants.list_tenants(self._open())
+
+    def delete_tenant(self, name: str, *, by: Attribution | None = None) -> None:
+        """Crypto-shred a tenant: its keys and index rows go in one transaction, then its bytes."""
+        ctx = self._open()
+        tenants.delete_tenant(ctx, name, by or ctx.attribution)
+
+    def rotate_keys(self, name: str, *, by: Attribution | None = None) -> int:
+        """New writes of ``name`` use a new data-key version (returned); old ones stay readable."""
+        ctx = self._open()
+        return tenants.rotate_keys(ctx, name, by or ctx.attribution)
+
+    def retire_keys(self, name: str, *, by: Attribution | None = None) -> dict[str, Any]:
+        """Re-seal every extent sealed with an old key version under the current one, then
+        destroy the old versions that nothing uses any more.
+
+        Extents a running load (on any node) is reading are skipped (their version is kept);
+        run it again later to finish. Returns what was done.
+        """
+        ctx = self._open()
+        return reseal.retire_keys(ctx, name, by or ctx.attribution)
+
+    def purge(
+        self, name: str, *, scope: str | None = None, by: Attribution | None = None
+    ) -> PurgeReport:
+        """Remove every cached prefix of ``name`` (of ``scope`` only, if given), keeping the
+        tenant and its keys; extents a running load reads are skipped and counted."""
+        ctx = self._open()
+        return purge.purge(ctx, by or ctx.attribution, name, scope)
+
+    def usage(
+        self,
+        name: str,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        scope: str | None = None,
+    ) -> UsageReport:
+        """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until)."""
+        return tenants.usage(self._open(), name, scope, since, until)
+
+    # ---- the store ----------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The store's capacity, as the index holds it now (shared by every node)."""
+        return capacity.read_capacity(self._ctx).capacity_bytes
+
+    @property
+    def allow_overcommit(self) -> bool:
+        """Whether quotas may add up to more than the capacity (index state)."""
+        return capacity.read_capacity(self._ctx).allow_overcommit
+
+    def set_capacity(
+        self,
+        *,
+        capacity_bytes: int | None = None,
+        allow_overcommit: bool | None = None,
+        by: Attribution | None = None,
+    ) -> dict[str, Any]:
+        """Change the store's capacity and/or overcommit policy for every node (audited; a
+        change of overcommit is also a security event: it weakens isolation).
+
+        Without overcommit the sum of tenant quotas must fit the capacity, or this raises
+        QuotaExceededError and changes nothing. Returns the new values.
+        """
+        ctx = self._open()
+        return capacity.set_capacity(ctx, capacity_bytes, allow_overcommit, by or ctx.attribution)
+
+    def gc(
+        self, *, orphan_grace: float | None = None, progress: Progress | None = None
+    ) -> GcReport:
+        """Remove expired extents (index first, bytes second) and orphaned files; flush metering.
+
+        ``orphan_grace`` defaults to the config's (10 minutes)."""
+        ctx = self._open()
+        grace = ctx.config.orphan_grace if orphan_grace is None else orphan_grace
+        return gc_collect(ctx, orphan_grace=grace, progress=progress)
+
+    def start_background_gc(self, interval: float) -> None:
+        """Collect garbage every ``interval`` seconds until :meth:`close` (idempotent)."""
+        ctx = self._open()
+        if interval <= 0:
+            raise InvalidRequestError("the GC interval must be positive")
+        with self._lock:
+            if self._gc is None:
+                self._gc = BackgroundGc(ctx, interval)
+                self._gc.start()
+
+    # ---- namespaces ---------------------------------------------------------------------------
+
+    def namespace(
+        self,
+        tenant: str,
+        *,
+        model: str,
+        layout: KVLayout,
+        scope: str | None = None,
+        revision: str | None = None,
+    ) -> Namespace:
+        """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
+        return open_namespace(
+            self._open(), tenant, model=model, layout=layout, scope=scope, revision=revision
+        )
+
+    # ---- observing ----------------------------------------------------------------------------
+
+    def leased_extents(self) -> set[str]:
+        """Extents some node's running load holds a lease on (eviction, GC, re-sealing and
+        purges pass them over; their bytes stay until the lease ends)."""
+        with self._ctx.index.read() as session:
+            return leases.leased(session, None, time.time())
+
+    def staging_stats(self) -> dict[str, RingStats]:
+        """Slots, slots in use, peak use and back-pressure waits of each staging ring."""
+        return self._ctx.runtime.staging_stats()
+
+    def security_events(self) -> dict[str, int]:
+        """Counts of security events recorded by this process, by kind."""
+        return self._ctx.incidents.log.counts()
+
+    def recent_security_events(self) -> list[SecurityEvent]:
+        return self._ctx.incidents.log.recent()
+
+    def health_counters(self) -> dict[str, int]:
+        """Counts of what went wrong in this process that is not a security event: lost
+        extents (bytes gone or short: a miss) and operations degraded to a miss because the
+        index or block store failed (``degraded_lookup``, ``degraded_store``, ...)."""
+        return self._ctx.health.counts()
+
+    def info(self) -> dict[str, Any]:
+        """A summary for operators: where things live and how much is cached."""
+        ctx = self._open()
+        with ctx.index.read() as session:
+            counts = stats.counts(session)
+        store = capacity.read_capacity(ctx)
+        return {
+            "root": str(ctx.config.root),
+            "database": ctx.index.engine.url.render_as_string(hide_password=True),
+            "schema_version": ctx.index.schema_version(),
+            "cipher_suite": ctx.config.suite.name,
+            "tenants": counts["tenants"],
+            "namespaces": counts["namespaces"],
+            "extents": counts["extents"],
+            "blocks": counts["blocks"],
+            "cached_tokens": counts["blocks"] * 64,
+            "stored_bytes": counts["stored_bytes"],
+            "capacity_bytes": store.capacity_bytes,
+            "allow_overcommit": store.allow_overcommit,
+            "workers": ctx.runtime.workers,
+            "load_threads": ctx.runtime.load_threads,
+            "staging_bytes": ctx.runtime.staging_bytes,
+            "node_id": ctx.leases.node_id,
+        }
+
+
+def open(
+    root_or_config: str | os.PathLike[str] | CacheConfig,
+    /,
+    *,
+    block_store: BlockStore | None = None,
+    clock: Callable[[], float] = time.time,
+    capacity_bytes: int | None = None,
+    allow_overcommit: bool | None = None,
+    workers: int | None = None,
+    load_threads: int | None = None,
+    **settings: Any,
+) -> TenantKV:
+    """Open (creating if needed) a cache rooted at a directory, or as a :class:`CacheConfig`
+    says; ``settings`` override fields of the config (see :mod:`tenantkv.config` for every
+    setting and its default).
+
+    Defaults are the embedded setup: SQLite index ``<root>/index.db`` (WAL), extents under
+    ``<root>/blocks``, master key from ``TENANTKV_MASTER_KEY`` or the key file
+    ``<root>/master.key`` (created 0600 on first use). ``strict=True`` raises
+    CacheUnavailableError where the serving path would otherwise degrade to a miss.
+
+    ``block_store`` (an instance) replaces the one ``block_store_url`` names; ``clock`` is
+    injectable for tests (leases always use the wall clock, since every node must agree on
+    them). ``workers`` and ``load_threads`` are the older names of ``seal_workers`` and
+    ``load_workers``.
+
+    ``capacity_bytes`` and ``allow_overcommit`` are deprecated here: the capacity is index
+    state shared by every node; change it with :meth:`TenantKV.set_capacity` (audited). Given
+    here, they are applied the same way, once the cache is open.
+    """
+    config = (
+        root_or_config
+        if isinstance(root_or_config, CacheConfig)
+        else CacheConfig(root=Path(root_or_config))
+    )
+    if workers is not None:
+        settings.setdefault("seal_workers", workers)
+    if load_threads is not None:
+        settings.setdefault("load_workers", load_threads)
+    config = config.with_overrides(**settings)
+    config.root.mkdir(parents=True, exist_ok=True)
+    wrapper: KeyWrapper
+    if config.master_key is None:
+        wrapper = KeyEncryptionKey(default_master_key_provider(config.root / "master.key").load())
+    elif isinstance(config.master_key, KeyWrapper):
+        wrapper = config.master_key
+    else:
+        wrapper = KeyEncryptionKey(config.master_key.load())
+    store = block_store or LocalBlockStore(
+        block_store_path(config.blocks_url), durable=config.durable
+    )
+    context = build_context(
+        config, index=Database(config.index_url), blocks=store, key_wrapper=wrapper, clock=clock
+    )
+    kv = TenantKV(context, wrapper)
+    if capacity_bytes is not None or allow_overcommit is not None:
+        warnings.warn(
+            "open(capacity_bytes=, allow_overcommit=) is deprecated: the capacity is index "
+            "state shared by every node; call TenantKV.set_capacity() (audited)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        try:
+            kv.set_capacity(capacity_bytes=capacity_bytes, allow_overcommit=allow_overcommit)
+        except BaseException:
+            kv.close()
+            raise
+    return kv

@@ -1,0 +1,85 @@
+"""The components of one open cache, built once by :func:`tenantkv.open`.
+
+Services receive these parts (never the ``TenantKV`` facade), so dependencies point one way:
+edges (server, CLI, integrations) -> facade -> services -> components (index, block store, keys,
+runtime, leases) -> pure values. One place builds them, in order, and one place closes them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .audit import ROLE_OPERATOR, Attribution, AuditLog
+from .config import CacheConfig
+from .coordination import KeyEpochWatcher, LeaseKeeper, new_node_id
+from .crypto import KeyWrapper
+from .extent_removal import ExtentRemover
+from .health import HealthCounters
+from .incidents import SecurityIncidents
+from .index.database import Database
+from .keyring import Keyring
+from .metering import Meter
+from .runtime import Runtime
+from .serving import ServingPolicy
+from .storage import BlockStore
+
+
+@dataclass(frozen=True)
+class CacheContext:
+    config: CacheConfig
+    index: Database
+    blocks: BlockStore
+    keys: Keyring
+    runtime: Runtime
+    meter: Meter
+    incidents: SecurityIncidents
+    health: HealthCounters
+    serving: ServingPolicy
+    audit: AuditLog
+    remover: ExtentRemover
+    leases: LeaseKeeper
+    key_epoch: KeyEpochWatcher
+    #: Whom this process's own actions are recorded as (the admin service passes its callers).
+    attribution: Attribution
+    #: Time of records, retention and metering (injectable for tests). Leases use the wall
+    #: clock: every node must agree on them.
+    clock: Callable[[], float]
+
+
+def build_context(
+    config: CacheConfig,
+    *,
+    index: Database,
+    blocks: BlockStore,
+    key_wrapper: KeyWrapper,
+    clock: Callable[[], float] = time.time,
+) -> CacheContext:
+    """Wire the components together (nothing is read or written yet)."""
+    keys = Keyring(key_wrapper)
+    audit = AuditLog(key_wrapper, clock=clock)
+    attribution = Attribution(f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR)
+    health = HealthCounters()
+    remover = ExtentRemover(index, blocks)
+    return CacheContext(
+        config=config,
+        index=index,
+        blocks=blocks,
+        keys=keys,
+        runtime=Runtime(config),
+        meter=Meter(),
+        incidents=SecurityIncidents(index, audit, attribution),
+        health=health,
+        serving=ServingPolicy(config.strict, health),
+        audit=audit,
+        remover=remover,
+        leases=LeaseKeeper(
+            index, remover, node_id=new_node_id(), lease_seconds=config.lease_seconds
+        ),
+        key_epoch=KeyEpochWatcher(index, keys),
+        attribution=attribution,
+        clock=clock,
+    )

@@ -1,0 +1,90 @@
+"""The runtime of one open cache: thread pools, staging rings, buffer pools, open streams.
+
+Built once by ``tenantkv.open`` and shared by every service. Stores seal on their own pool and
+loads read on theirs, so a large store never delays a load's first layer; bookkeeping after a
+load runs on the load pool in the background. Closing stops everything in order: open streams
+first (their chunks must finish before the pools go away), then the pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from .buffers import RecyclingPool
+from .config import CacheConfig
+from .errors import CacheClosedError
+from .loader import LoadStream
+from .staging import RingStats, StagingRing
+
+
+class Runtime:
+    """Executors, rings, pools and the registry of open streams of one cache."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.workers = config.seal_threads
+        # Layers a load keeps ready ahead of its caller (and a store seals ahead of its writes):
+        # the next layers arrive while the caller works on one, and memory stays bounded.
+        self.window = config.read_ahead
+        self.load_threads = config.load_threads
+        self.seal_executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-seal")
+        self.load_executor = ThreadPoolExecutor(
+            self.load_threads, thread_name_prefix="tenantkv-load"
+        )
+        self._ring_config = (config.staging_bytes, config.staging_slot_bytes)
+        self._rings = {False: StagingRing(*self._ring_config)}
+        # Host memory for fresh CPU layers, recycled once callers drop them (see buffers.py).
+        self.layer_pool = RecyclingPool(max_bytes=config.layer_pool_bytes)
+        self._streams: weakref.WeakSet[LoadStream] = weakref.WeakSet()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._ring_config[0]
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def staging_ring(self, *, pinned: bool) -> StagingRing:
+        """The ring shared by all loads (a pinned one, made on first use, for CUDA targets)."""
+        with self._lock:
+            ring = self._rings.get(pinned)
+            if ring is None:
+                ring = self._rings[pinned] = StagingRing(*self._ring_config, pinned=pinned)
+            return ring
+
+    def staging_stats(self) -> dict[str, RingStats]:
+        """Slots, slots in use, peak use and back-pressure waits of each staging ring."""
+        with self._lock:
+            rings = dict(self._rings)
+        return {("pinned" if pinned else "host"): ring.stats() for pinned, ring in rings.items()}
+
+    def submit_background(self, task: Callable[..., object], *args: object) -> None:
+        """Run bookkeeping on the reader pool; dropped (never raised) once the cache closes."""
+        with contextlib.suppress(RuntimeError):
+            self.load_executor.submit(task, *args)
+
+    def track_stream(self, stream: LoadStream) -> None:
+        with self._lock:
+            self._streams.add(stream)
+
+    def begin_close(self) -> list[LoadStream]:
+        """Mark the runtime closed; return the streams still open (None if already closed)."""
+        with self._lock:
+            if self._closed:
+                return []
+            self._closed = True
+            return list(self._streams)
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        self.load_executor.shutdown(wait=wait, cancel_futures=True)
+        self.seal_executor.shutdown(wait=wait, cancel_futures=True)

@@ -1,0 +1,40 @@
+"""What opening a cache checks and prepares in the index, once, before anything is served."""
+
+from __future__ import annotations
+
+from ..context import CacheContext
+from ..crypto import KeyWrapper, MasterKeyError, SealOpenError, new_key
+from ..index import settings
+from .capacity import init_capacity
+
+_KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
+
+
+def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
+    """Create the schema, check the master key, make the audit signing key and the initial
+    capacity, and read the key epoch."""
+    ctx.index.create_schema()
+    check_master_key(ctx, wrapper)
+    with ctx.index.write() as session:
+        ctx.audit.ensure_signing_key(session)
+    init_capacity(ctx)
+    ctx.key_epoch.check()
+
+
+def check_master_key(ctx: CacheContext, wrapper: KeyWrapper) -> None:
+    """Refuse a master key that is not the one this index was created with.
+
+    The index keeps a random value wrapped by its master key; a wrong key (a lost or swapped
+    key file, a wrong environment variable) fails here with a clear error instead of at the
+    first namespace.
+    """
+    with ctx.index.write() as session:
+        stored = settings.get(session, settings.MASTER_KEY_CHECK)
+        if stored is None:
+            blob = wrapper.wrap(new_key(), _KEY_CHECK_CONTEXT)
+            settings.put(session, settings.MASTER_KEY_CHECK, blob.hex())
+            return
+    try:
+        wrapper.unwrap(bytes.fromhex(stored), _KEY_CHECK_CONTEXT)
+    except SealOpenError:
+        raise MasterKeyError("the master key does not open this cache's index") from None
