@@ -1,10 +1,11 @@
 """Bearer tokens of the admin API: creation, verification, revocation, operator bootstrap.
 
 A token is ``tkv_<43 url-safe characters>`` (256 random bits), shown once when it is made. The
-index keeps only ``sha256(token)`` (see ``models.py``); a presented token is hashed, the row
-found by its hash, and the stored and computed digests compared with ``hmac.compare_digest``.
-The token id (the first 16 hex digits of that hash) names a token in listings, audit records
-and revocation without revealing it; a holder can compute it from the token.
+index keeps only ``sha256(token)`` (see ``tenantkv.index.api_tokens``); a presented token is
+hashed, the row found by its hash, and the stored and computed digests compared with
+``hmac.compare_digest``. The token id (the first 16 hex digits of that hash) names a token in
+listings, audit records and revocation without revealing it; a holder can compute it from the
+token.
 
 Roles: ``operator`` (every tenant, tokens, checkpoints), ``tenant-admin`` (its own tenant only),
 ``auditor`` (read-only: audit exports and the public key). This module needs no web framework,
@@ -22,14 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN, AuditEvent
 from ..errors import InvalidRequestError, TenantNotFoundError
-from ..index.schema import Tenant
+from ..index import api_tokens
+from ..index import tenants as tenant_rows
+from ..index.api_tokens import ApiToken
 from ..services.tenants import check_tenant_name
-from .models import ApiToken, ServerBase
 
 if TYPE_CHECKING:
     from ..api import TenantKV
@@ -82,7 +83,7 @@ class AuthError(Exception):
 
 def ensure_schema(kv: TenantKV) -> None:
     """Create the admin API's tables next to the cache's (idempotent)."""
-    ServerBase.metadata.create_all(kv.context.index.engine)
+    api_tokens.create_schema(kv.context.index.engine)
 
 
 def hash_token(token: str) -> str:
@@ -134,7 +135,7 @@ def insert_token(
         if tenant is None:
             raise InvalidRequestError("a tenant-admin token needs a tenant")
         check_tenant_name(tenant)
-        if session.scalar(select(Tenant.id).where(Tenant.name == tenant)) is None:
+        if tenant_rows.id_of(session, tenant) is None:
             raise TenantNotFoundError(f"no tenant named {tenant!r}")
     elif tenant is not None:
         raise InvalidRequestError(f"a {checked_role} token is not bound to a tenant")
@@ -151,8 +152,7 @@ def insert_token(
         expires_at=None if ttl is None else now + ttl,
         revoked_at=None,
     )
-    session.add(row)
-    session.flush()
+    api_tokens.add(session, row)
     kv.context.audit.append(
         session,
         AuditEvent(
@@ -190,14 +190,7 @@ def ensure_first_operator_token(kv: TenantKV) -> str | None:
     ensure_schema(kv)
     with kv.context.index.write() as session:
         now = kv.context.clock()
-        existing = session.scalar(
-            select(ApiToken.id).where(
-                ApiToken.role == ROLE_OPERATOR,
-                ApiToken.revoked_at.is_(None),
-                (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now),
-            )
-        )
-        if existing is not None:
+        if api_tokens.usable_operator_exists(session, now):
             return None
         return insert_token(
             kv,
@@ -224,10 +217,7 @@ def mark_revoked(
     (or, with ``tenant``, none of that tenant's)."""
     if not isinstance(token_id, str) or not _TOKEN_ID.fullmatch(token_id):
         raise InvalidRequestError("a token id is 16 lower-case hex digits")
-    query = select(ApiToken).where(ApiToken.id == token_id)
-    if tenant is not None:
-        query = query.where(ApiToken.tenant == tenant)
-    row = session.scalar(query)
+    row = api_tokens.find(session, token_id, tenant)
     if row is None:
         return False
     if row.revoked_at is None:
@@ -263,21 +253,12 @@ def revoke_token(kv: TenantKV, token_id: str) -> bool:
 def revoke_tenant_tokens(kv: TenantKV, session: Session, tenant: str) -> int:
     """Revoke every token bound to ``tenant`` (before it is deleted: a tenant created again
     under the same name must not inherit its predecessor's admins)."""
-    result = session.execute(
-        update(ApiToken)
-        .where(ApiToken.tenant == tenant, ApiToken.revoked_at.is_(None))
-        .values(revoked_at=kv.context.clock())
-        .execution_options(synchronize_session=False)
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
+    return api_tokens.revoke_all_of(session, tenant, kv.context.clock())
 
 
 def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
     """Every token (or one tenant's), newest first, without secrets."""
     with kv.context.index.read() as session:
-        query = select(ApiToken).order_by(ApiToken.created_at.desc(), ApiToken.id)
-        if tenant is not None:
-            query = query.where(ApiToken.tenant == tenant)
         return [
             TokenInfo(
                 id=row.id,
@@ -288,7 +269,7 @@ def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
                 expires_at=row.expires_at,
                 revoked_at=row.revoked_at,
             )
-            for row in session.scalars(query)
+            for row in api_tokens.listing(session, tenant)
         ]
 
 
@@ -300,7 +281,7 @@ def verify_token(kv: TenantKV, token: str | None) -> Principal:
         raise AuthError("malformed")
     digest = hash_token(token)
     with kv.context.index.read() as session:
-        row = session.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
+        row = api_tokens.by_hash(session, digest)
     if row is None or not hmac.compare_digest(row.token_hash, digest):
         raise AuthError("unknown")
     if row.revoked_at is not None:

@@ -14,15 +14,14 @@ from typing import Annotated, Final
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
 
 from ...audit import (
     AUDIT_EXPORT,
     ROLE_TENANT_ADMIN,
-    AuditCheckpointRow,
     ExportFormat,
     chain_for,
 )
+from ...index import audit_queries
 from ..caller import Caller
 from ..dependencies import KV, AnyRole, AuditReader, Operator, refuse
 from ..errors import not_found
@@ -107,12 +106,7 @@ def list_checkpoints(
     """Stored signed checkpoints of one chain (``tenant``; none: the system chain)."""
     chain = chain_for(_chain_tenant(request, kv, caller, tenant))
     with kv.context.index.read() as session:
-        rows = session.scalars(
-            select(AuditCheckpointRow)
-            .where(AuditCheckpointRow.chain == chain)
-            .order_by(AuditCheckpointRow.seq, AuditCheckpointRow.time_us)
-            .limit(1000)
-        ).all()
+        rows = audit_queries.checkpoints(session, chain, limit=1000)
         return [
             CheckpointOut(
                 chain=row.chain,

@@ -10,11 +10,10 @@ from typing import Annotated, Final
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
 
 from ...audit import ROLE_TENANT_ADMIN, TENANT_DELETE
 from ...errors import InvalidRequestError, TenantNotFoundError
-from ...index.schema import Tenant
+from ...index import tenants as tenant_rows
 from ...services.tenants import TenantInfo
 from ..auth import revoke_tenant_tokens
 from ..caller import Caller
@@ -153,7 +152,7 @@ def delete_tenant(name: str, kv: KV, caller: TenantOperator) -> Response:
     """Crypto-shred the tenant. Its API tokens are revoked first (in their own transaction,
     audited there), so a tenant created again under this name inherits no admins."""
     with kv.context.index.write() as session:
-        if session.scalar(select(Tenant.id).where(Tenant.name == name)) is None:
+        if tenant_rows.id_of(session, name) is None:
             raise TenantNotFoundError(name)
         revoked = revoke_tenant_tokens(kv, session, name)
         kv.context.audit.append(
