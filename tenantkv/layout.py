@@ -1,6 +1,6 @@
 """KV layouts: how one layer of a prefix cache is shaped, and how it maps to bytes.
 
-Two layouts:
+Two layout kinds are registered (``tenantkv.layout_kinds``; more can be):
 
 * **MLA** (DeepSeek-V2/V3): per token and layer one latent ``c_KV`` (``kv_lora_rank`` values) and
   one decoupled RoPE key ``k_pe`` (``rope_dim`` values). A layer is one tensor
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from .errors import InvalidRequestError
-
-Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+from .layout_kinds import Layer as Layer
+from .layout_kinds import LayoutKind, layout_kind
 
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -43,7 +43,7 @@ def _positive(name: str, value: int) -> None:
 class KVLayout:
     """The shape and dtype of one model's per-layer KV cache. Build with :meth:`mla`/:meth:`mha`."""
 
-    kind: Literal["mla", "mha"]
+    kind: str
     num_layers: int
     dtype: torch.dtype
     kv_lora_rank: int = 0
@@ -74,11 +74,14 @@ class KVLayout:
             raise InvalidRequestError(f"dtype {dtype} is not supported; use one of {names}")
 
     @property
+    def strategy(self) -> LayoutKind:
+        """The registered kind that knows this layout's shapes."""
+        return layout_kind(self.kind)
+
+    @property
     def values_per_token(self) -> int:
         """Values of one token in one layer."""
-        if self.kind == "mla":
-            return self.kv_lora_rank + self.rope_dim
-        return 2 * self.num_kv_heads * self.head_dim
+        return self.strategy.values_per_token(self)
 
     @property
     def token_bytes(self) -> int:
@@ -92,49 +95,15 @@ class KVLayout:
             "num_layers": self.num_layers,
             "dtype": SUPPORTED_DTYPES[self.dtype],
         }
-        if self.kind == "mla":
-            info.update(kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim)
-        else:
-            info.update(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        info.update(self.strategy.shape_fields(self))
         return info
 
     # ---- tensors <-> bytes -------------------------------------------------------------------
 
-    def _check_tensor(self, what: str, tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != self.dtype:
-            raise InvalidRequestError(
-                f"{what} has dtype {tensor.dtype}, the layout says {self.dtype}"
-            )
-        if tuple(tensor.shape) != shape:
-            raise InvalidRequestError(
-                f"{what} has shape {list(tensor.shape)}, the layout expects {list(shape)}"
-            )
-        return tensor
-
     def layer_rows(self, layer: Any, index: int, num_tokens: int) -> torch.Tensor:
         """Validate one layer of ``num_tokens`` tokens; return it as ``[T, token_bytes]`` uint8."""
-        if self.kind == "mla":
-            tensor = self._check_tensor(
-                f"layer {index}", layer, (num_tokens, self.values_per_token)
-            )
-            rows = tensor.detach().to("cpu").contiguous().view(torch.uint8)
-        else:
-            if (
-                not isinstance(layer, Sequence)
-                or isinstance(layer, torch.Tensor)
-                or len(layer) != 2
-            ):
-                raise InvalidRequestError(f"layer {index} must be a (k, v) pair of tensors")
-            shape = (num_tokens, self.num_kv_heads, self.head_dim)
-            k = self._check_tensor(f"layer {index} k", layer[0], shape)
-            v = self._check_tensor(f"layer {index} v", layer[1], shape)
-            if k.device != v.device:
-                raise InvalidRequestError(f"layer {index}: k and v are on different devices")
-            pair = torch.stack((k.detach(), v.detach()), dim=1).to("cpu")
-            rows = pair.view(torch.uint8)
-        return rows.reshape(num_tokens, self.token_bytes)
+        values = self.strategy.layer_rows(self, layer, f"layer {index}", num_tokens)
+        return values.view(torch.uint8).reshape(num_tokens, self.token_bytes)
 
     def validate_layers(self, layers: Any, num_tokens: int) -> list[torch.Tensor]:
         """All layers as ``[T, token_bytes]`` uint8 CPU tensors, or InvalidRequestError."""
@@ -157,7 +126,4 @@ class KVLayout:
     def layer_from_values(self, values: torch.Tensor, num_tokens: int) -> Layer:
         """Typed views of a loaded layer's ``num_tokens`` tokens, given as a contiguous tensor of
         this layout's dtype (flat or one row per token), with no copy."""
-        if self.kind == "mla":
-            return values.view(num_tokens, self.values_per_token)
-        pair = values.view(num_tokens, 2, self.num_kv_heads, self.head_dim)
-        return pair[:, 0], pair[:, 1]
+        return self.strategy.layer_from_values(self, values, num_tokens)

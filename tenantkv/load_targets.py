@@ -99,7 +99,9 @@ class LoadTarget:
         rows_needed = max(self.block_rows, default=-BLOCK_TOKENS) + BLOCK_TOKENS
         self.out = self._check_out(out, rows_needed) if out is not None else None
         #: decrypt straight into the destination bytes (no staging copy)
-        self.direct = self.device.type == "cpu" and (out is None or layout.kind == "mla")
+        self.direct = self.device.type == "cpu" and (
+            out is None or layout.strategy.decrypts_into_out
+        )
 
     @staticmethod
     def _check_block_rows(
@@ -131,30 +133,15 @@ class LoadTarget:
             )
         checked: list[Any] = []
         seen: set[int] = set()
-        mla_tail = (layout.values_per_token,)
-        mha_tail = (layout.num_kv_heads, layout.head_dim)
+        kind = layout.strategy
+        tail = kind.out_tail(layout)
         for index, entry in enumerate(out):
-            if layout.kind == "mla":
-                tensor = _check_buffer(
-                    f"out[{index}]", entry, layout, self.device, mla_tail, rows_needed
-                )
-                parts = [tensor]
-                checked.append(tensor)
-            else:
-                if (
-                    not isinstance(entry, Sequence)
-                    or isinstance(entry, torch.Tensor)
-                    or len(entry) != 2
-                ):
-                    raise InvalidRequestError(f"out[{index}] must be a (k, v) pair of tensors")
-                k = _check_buffer(
-                    f"out[{index}] k", entry[0], layout, self.device, mha_tail, rows_needed
-                )
-                v = _check_buffer(
-                    f"out[{index}] v", entry[1], layout, self.device, mha_tail, rows_needed
-                )
-                parts = [k, v]
-                checked.append(entry)
+
+            def check(what: str, tensor: Any) -> torch.Tensor:
+                return _check_buffer(what, tensor, layout, self.device, tail, rows_needed)
+
+            yielded, parts = kind.out_parts(entry, f"out[{index}]", check)
+            checked.append(yielded)
             for part in parts:
                 if part.data_ptr() in seen:
                     raise InvalidRequestError(f"out[{index}] shares memory with another buffer")
@@ -175,10 +162,10 @@ class LoadTarget:
             rows = layout.empty_rows(num_tokens, self.device)
             return LayerOutput(rows=rows, pair=None, result=layout.layer_from_rows(rows))
         entry = self.out[layer]
-        if layout.kind == "mla":
-            rows = entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)
-            return LayerOutput(rows=rows, pair=None, result=entry)
-        return LayerOutput(rows=None, pair=(entry[0], entry[1]), result=entry)
+        out_rows = layout.strategy.out_rows(layout, entry)
+        if out_rows is not None:
+            return LayerOutput(rows=out_rows, pair=None, result=entry)
+        return LayerOutput(rows=None, pair=layout.strategy.out_pair(entry), result=entry)
 
     def place(self, output: LayerOutput, first_position: int, plain: torch.Tensor) -> None:
         """Copy a staged chunk (``[count * 64, token_bytes]`` uint8) to its destination rows.
@@ -198,9 +185,9 @@ class LoadTarget:
                 output.rows[start : start + length].copy_(block, non_blocking=True)
                 continue
             assert output.pair is not None, "a staged MHA layer has its (k, v) buffers"
-            pair = block.view(layout.dtype).view(length, 2, layout.num_kv_heads, layout.head_dim)
-            output.pair[0][start : start + length].copy_(pair[:, 0], non_blocking=True)
-            output.pair[1][start : start + length].copy_(pair[:, 1], non_blocking=True)
+            k, v = layout.strategy.split_rows(layout, block, length)
+            output.pair[0][start : start + length].copy_(k, non_blocking=True)
+            output.pair[1][start : start + length].copy_(v, non_blocking=True)
 
     def _row_runs(self, first_position: int, count: int) -> list[tuple[int, int]]:
         """Destination row ranges of blocks ``first_position ..``, merged where consecutive.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,14 +239,7 @@ class PrefixCache:
         self, keys: torch.Tensor, values: torch.Tensor, start: int, stop: int
     ) -> Layer:
         """One layer of tokens ``start .. stop - 1``, shaped as :meth:`Namespace.store` takes it."""
-        if self.layout.kind == "mla":
-            # keys [1, 1, T, kv_lora_rank] (c_KV), values [1, 1, T, rope_dim] (k_rot)
-            return torch.cat((keys[0, 0, start:stop], values[0, 0, start:stop]), dim=-1)
-        # keys / values [1, H, T, D] -> [T, H, D]
-        return (
-            keys[0, :, start:stop].transpose(0, 1),
-            values[0, :, start:stop].transpose(0, 1),
-        )
+        return _FROM_HF_CACHE[self.layout.kind](keys, values, start, stop)
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -306,11 +300,7 @@ class PrefixCache:
 
     def _cache_from_layer(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
         """A loaded layer as the model's cache update takes it (views; no copy here)."""
-        if isinstance(layer, torch.Tensor):  # MLA [T, kv_lora_rank + rope_dim]
-            rank = self.layout.kv_lora_rank
-            return layer[None, None, :, :rank], layer[None, None, :, rank:]
-        keys, values = layer  # [T, H, D] each
-        return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        return _TO_HF_CACHE[self.layout.kind](self.layout, layer)
 
     @staticmethod
     def _flat_tokens(tokens: Any) -> Any:
@@ -322,3 +312,38 @@ class PrefixCache:
                 )
             return tokens[0]
         return tokens
+
+
+def _latent_from_hf(keys: torch.Tensor, values: torch.Tensor, start: int, stop: int) -> Layer:
+    # keys [1, 1, T, kv_lora_rank] (c_KV), values [1, 1, T, rope_dim] (k_rot)
+    return torch.cat((keys[0, 0, start:stop], values[0, 0, start:stop]), dim=-1)
+
+
+def _key_value_from_hf(keys: torch.Tensor, values: torch.Tensor, start: int, stop: int) -> Layer:
+    # keys / values [1, H, T, D] -> [T, H, D]
+    return keys[0, :, start:stop].transpose(0, 1), values[0, :, start:stop].transpose(0, 1)
+
+
+#: How a transformers DynamicCache layer becomes a layer of each layout kind.
+_FROM_HF_CACHE: dict[str, Callable[[torch.Tensor, torch.Tensor, int, int], Layer]] = {
+    "mla": _latent_from_hf,
+    "mha": _key_value_from_hf,
+}
+
+
+def _latent_to_hf(layout: KVLayout, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
+    assert isinstance(layer, torch.Tensor), "an MLA layer is one tensor"
+    rank = layout.kv_lora_rank  # [T, kv_lora_rank + rope_dim] -> c_KV, k_rot
+    return layer[None, None, :, :rank], layer[None, None, :, rank:]
+
+
+def _key_value_to_hf(layout: KVLayout, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
+    keys, values = layer  # [T, H, D] each
+    return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+
+
+#: How a loaded layer of each layout kind becomes a transformers cache update.
+_TO_HF_CACHE: dict[str, Callable[[KVLayout, Layer], tuple[torch.Tensor, torch.Tensor]]] = {
+    "mla": _latent_to_hf,
+    "mha": _key_value_to_hf,
+}

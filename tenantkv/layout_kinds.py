@@ -1,0 +1,208 @@
+"""Layout kinds as strategies, registered by name.
+
+Each kind says how one layer of its models' caches is shaped and maps to bytes: how a caller's
+layer becomes rows of ``token_bytes``, how loaded bytes become the caller's layer (views, no
+copy), how ``out=`` buffers are checked and filled. :class:`~tenantkv.layout.KVLayout` and the
+loader ask the kind; nothing else branches on it, so a new kind (a quantised codec, a model
+family with another cache shape) is one class registered here.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from .errors import InvalidRequestError
+
+Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class KVLayout(Protocol):
+    """What a kind reads of a layout (``tenantkv.layout.KVLayout`` provides it)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def rope_dim(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def values_per_token(self) -> int: ...
+    @property
+    def token_bytes(self) -> int: ...
+
+
+def check_tensor(layout: KVLayout, what: str, tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != layout.dtype:
+        raise InvalidRequestError(
+            f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}"
+        )
+    if tuple(tensor.shape) != shape:
+        raise InvalidRequestError(
+            f"{what} has shape {list(tensor.shape)}, the layout expects {list(shape)}"
+        )
+    return tensor
+
+
+def _pair(what: str, entry: Any) -> tuple[Any, Any]:
+    if not isinstance(entry, Sequence) or isinstance(entry, torch.Tensor) or len(entry) != 2:
+        raise InvalidRequestError(f"{what} must be a (k, v) pair of tensors")
+    return entry[0], entry[1]
+
+
+class LayoutKind(abc.ABC):
+    """How layers of one kind of KV cache are shaped and stored."""
+
+    #: The name in ``KVLayout.kind`` and in the namespace fingerprint.
+    name: str
+    #: Whether a load may decrypt straight into the caller's ``out=`` buffers (their bytes are
+    #: laid out as stored); otherwise chunks are staged and split into them.
+    decrypts_into_out: bool
+
+    @abc.abstractmethod
+    def values_per_token(self, layout: KVLayout) -> int:
+        """Values of one token in one layer."""
+
+    @abc.abstractmethod
+    def shape_fields(self, layout: KVLayout) -> dict[str, int]:
+        """The kind's own dimensions, for the layout's canonical description."""
+
+    @abc.abstractmethod
+    def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
+        """A caller's layer, checked, as a contiguous CPU tensor of the layout's dtype whose
+        bytes are the stored rows."""
+
+    @abc.abstractmethod
+    def layer_from_values(self, layout: KVLayout, values: torch.Tensor, num_tokens: int) -> Layer:
+        """Typed views of a loaded layer's values (contiguous, the layout's dtype; no copy)."""
+
+    @abc.abstractmethod
+    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
+        """Check one ``out=`` entry with ``check(what, tensor, tail_shape)``; return the entry as
+        the stream yields it and its tensors (to refuse buffers that share memory)."""
+
+    @abc.abstractmethod
+    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
+        """The shape of one token's row in an ``out=`` tensor."""
+
+    def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
+        """An ``out=`` entry as ``[R, token_bytes]`` uint8 rows, when loads decrypt into it."""
+        return None
+
+    def out_pair(self, entry: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An ``out=`` entry's (k, v) tensors, when staged chunks are split into them."""
+        return None
+
+    def split_rows(
+        self, layout: KVLayout, rows: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staged ``[length, token_bytes]`` rows as (k, v) views, for :meth:`out_pair`."""
+        raise NotImplementedError(f"{self.name} layers are not split")
+
+
+class LatentKind(LayoutKind):
+    """MLA (DeepSeek-V2/V3): per token one latent ``c_KV`` and one decoupled RoPE key ``k_pe``;
+    a layer is one tensor ``[T, kv_lora_rank + rope_dim]``."""
+
+    name = "mla"
+    decrypts_into_out = True
+
+    def values_per_token(self, layout: KVLayout) -> int:
+        return layout.kv_lora_rank + layout.rope_dim
+
+    def shape_fields(self, layout: KVLayout) -> dict[str, int]:
+        return {"kv_lora_rank": layout.kv_lora_rank, "rope_dim": layout.rope_dim}
+
+    def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
+        tensor = check_tensor(layout, what, layer, (num_tokens, layout.values_per_token))
+        return tensor.detach().to("cpu").contiguous()
+
+    def layer_from_values(self, layout: KVLayout, values: torch.Tensor, num_tokens: int) -> Layer:
+        return values.view(num_tokens, layout.values_per_token)
+
+    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
+        return (layout.values_per_token,)
+
+    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
+        tensor = check(what, entry)
+        return tensor, [tensor]
+
+    def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
+        return entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)  # type: ignore[no-any-return]
+
+
+class KeyValueKind(LayoutKind):
+    """MHA/GQA (Llama, Qwen): a layer is a pair ``(k, v)``, each ``[T, num_kv_heads,
+    head_dim]``. A token's stored row is ``k_t || v_t``, so a loaded layer is one buffer
+    ``[T, 2, H, D]`` and ``k``/``v`` are views into it."""
+
+    name = "mha"
+    decrypts_into_out = False
+
+    def values_per_token(self, layout: KVLayout) -> int:
+        return 2 * layout.num_kv_heads * layout.head_dim
+
+    def shape_fields(self, layout: KVLayout) -> dict[str, int]:
+        return {"num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim}
+
+    def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
+        k, v = _pair(what, layer)
+        shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
+        k = check_tensor(layout, f"{what} k", k, shape)
+        v = check_tensor(layout, f"{what} v", v, shape)
+        if k.device != v.device:
+            raise InvalidRequestError(f"{what}: k and v are on different devices")
+        return torch.stack((k.detach(), v.detach()), dim=1).to("cpu")
+
+    def layer_from_values(self, layout: KVLayout, values: torch.Tensor, num_tokens: int) -> Layer:
+        pair = values.view(num_tokens, 2, layout.num_kv_heads, layout.head_dim)
+        return pair[:, 0], pair[:, 1]
+
+    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
+        return (layout.num_kv_heads, layout.head_dim)
+
+    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
+        k, v = _pair(what, entry)
+        parts = [check(f"{what} k", k), check(f"{what} v", v)]
+        return entry, parts
+
+    def out_pair(self, entry: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return entry[0], entry[1]
+
+    def split_rows(
+        self, layout: KVLayout, rows: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = rows.view(layout.dtype).view(length, 2, layout.num_kv_heads, layout.head_dim)
+        return pair[:, 0], pair[:, 1]
+
+
+_KINDS: dict[str, LayoutKind] = {}
+
+
+def register_layout_kind(kind: LayoutKind) -> None:
+    """Make ``kind`` available to :class:`~tenantkv.layout.KVLayout` by its name."""
+    if kind.name in _KINDS:
+        raise ValueError(f"a layout kind named {kind.name!r} is already registered")
+    _KINDS[kind.name] = kind
+
+
+def layout_kind(name: str) -> LayoutKind:
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise InvalidRequestError(
+            f"unknown layout kind {name!r}; registered: {', '.join(sorted(_KINDS))}"
+        ) from None
+
+
+register_layout_kind(LatentKind())
+register_layout_kind(KeyValueKind())
