@@ -13,6 +13,7 @@
 """
 
 from .api import TenantKV, open
+from .config import CacheConfig
 from .crypto import MasterKeyError
 from .errors import (
     CacheClosedError,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BLOCK_TOKENS",
+    "CacheConfig",
     "CacheClosedError",
     "CacheMissError",
     "CacheUnavailableError",

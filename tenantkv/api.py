@@ -244,10 +244,22 @@ class TenantKV:
         layout: KVLayout,
         scope: str | None = None,
         revision: str | None = None,
+        block_tokens: int = 64,
     ) -> Namespace:
-        """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
+        """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use.
+
+        ``block_tokens`` (a multiple of 16 up to 1024; default 64) is the namespace's block
+        size: prefixes are keyed, looked up, stored and loaded in whole blocks of it. It is part
+        of the namespace's identity, so the same model with another block size is another
+        namespace."""
         return open_namespace(
-            self._open(), tenant, model=model, layout=layout, scope=scope, revision=revision
+            self._open(),
+            tenant,
+            model=model,
+            layout=layout,
+            scope=scope,
+            revision=revision,
+            block_tokens=block_tokens,
         )
 
     # ---- observing ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Reusable host buffers: per-thread scratch for the workers, recycled layer buffers for loads.
 
-Touching freshly allocated memory costs page faults (measured ~1.4 GB/s on the 2-core development
-VMs, against ~60 GB/s for reused memory), which would dominate sealing or reading a large prefix.
+Touching freshly allocated memory costs page faults (an order of magnitude slower than reused
+memory on the development VMs; docs/perf.md), which would dominate sealing or reading a large
+prefix.
 Each worker thread keeps one buffer, grown to the largest layer it has handled, and reuses it for
 every task: ciphertext read for a load, sealed output for a store. A worker runs one task at a
 time, so the buffer is never shared.

@@ -90,13 +90,17 @@ class LoadTarget:
         out: Sequence[Any] | None,
         block_rows: Sequence[int] | None,
         host_pool: RecyclingPool | None = None,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> None:
         self.layout = layout
+        self.block_tokens = block_tokens
         self._host_pool = host_pool
         self.device = _normalise_device(device)
         self.num_blocks = num_blocks
-        self.block_rows = self._check_block_rows(block_rows, num_blocks, out is not None)
-        rows_needed = max(self.block_rows, default=-BLOCK_TOKENS) + BLOCK_TOKENS
+        self.block_rows = self._check_block_rows(
+            block_rows, num_blocks, out is not None, block_tokens
+        )
+        rows_needed = max(self.block_rows, default=-block_tokens) + block_tokens
         self.out = self._check_out(out, rows_needed) if out is not None else None
         #: decrypt straight into the destination bytes (no staging copy)
         self.direct = self.device.type == "cpu" and (
@@ -105,10 +109,10 @@ class LoadTarget:
 
     @staticmethod
     def _check_block_rows(
-        block_rows: Sequence[int] | None, num_blocks: int, has_out: bool
+        block_rows: Sequence[int] | None, num_blocks: int, has_out: bool, block_tokens: int
     ) -> list[int]:
         if block_rows is None:
-            return [b * BLOCK_TOKENS for b in range(num_blocks)]
+            return [b * block_tokens for b in range(num_blocks)]
         if not has_out:
             raise InvalidRequestError("block_rows needs out= buffers to place the rows in")
         rows = list(block_rows)
@@ -119,8 +123,10 @@ class LoadTarget:
         if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in rows):
             raise InvalidRequestError("block_rows must be non-negative integers")
         ordered = sorted(rows)
-        if any(b - a < BLOCK_TOKENS for a, b in itertools.pairwise(ordered)):
-            raise InvalidRequestError("block_rows overlap: each block takes 64 consecutive rows")
+        if any(b - a < block_tokens for a, b in itertools.pairwise(ordered)):
+            raise InvalidRequestError(
+                f"block_rows overlap: each block takes {block_tokens} consecutive rows"
+            )
         return rows
 
     def _check_out(self, out: Sequence[Any], rows_needed: int) -> list[Any]:
@@ -151,7 +157,7 @@ class LoadTarget:
     def new_layer(self, layer: int) -> LayerOutput:
         layout = self.layout
         if self.out is None:
-            num_tokens = self.num_blocks * BLOCK_TOKENS
+            num_tokens = self.num_blocks * self.block_tokens
             if self.device.type == "cpu" and self._host_pool is not None:
                 # Straight over the pool's bytes, in few calls: a worker makes each layer's
                 # destination under the stream's lock.
@@ -173,7 +179,7 @@ class LoadTarget:
         On CUDA the copies are queued on the current stream (the load's); the caller records
         an event after them and keeps the staging slot until that event has completed.
         """
-        count = plain.shape[0] // BLOCK_TOKENS
+        count = plain.shape[0] // self.block_tokens
         layout = self.layout
         if self.device.type == "cuda" and output.pair is not None:
             plain = plain.to(self.device, non_blocking=True)  # then split k/v on the device
@@ -199,7 +205,7 @@ class LoadTarget:
         for p in range(first_position, first_position + count):
             start = self.block_rows[p]
             if runs and runs[-1][0] + runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], runs[-1][1] + BLOCK_TOKENS)
+                runs[-1] = (runs[-1][0], runs[-1][1] + self.block_tokens)
             else:
-                runs.append((start, BLOCK_TOKENS))
+                runs.append((start, self.block_tokens))
         return runs

@@ -13,22 +13,22 @@ A layer is split into equal chunks of consecutive segments that fit one staging 
 one task opens a chunk of layer ``l``, another is already reading layer ``l+1``, and the caller
 consumes earlier layers. A task keeps its slot from chunk to chunk and takes its next chunk in the
 same critical section that counts the last one done: per chunk there is one lock round trip and
-no pool task, future or callback. (Per-chunk pool tasks cost ~80 us of Python each, and the
-interpreter is what limits loads on the 2-core development machines, where decryption barely
-scales to a second thread; handing chunks from reader threads to separate decrypt workers was
-also measured slower.) The caller is woken once per layer, and only when it waits for that one.
+no pool task, future or callback: per-chunk pool tasks cost Python time, and the interpreter is
+what limits loads on small machines, where decryption barely scales to a second thread (handing
+chunks from reader threads to separate decrypt workers was measured slower too; docs/perf.md).
+The caller is woken once per layer, and only when it waits for that one.
 
 When the caller is blocked on layer 0, the worker that completes it pauses until the caller is
 running again (at most ``FIRST_LAYER_HANDOVER_S``). With one worker per core busy decrypting,
 a woken caller otherwise waits for a core and then for the GIL, which the workers take between
-every segment: ~1.1 ms median (over 2 ms at p90) on the 2-core development machines, against
-~0.07 ms with the pause -- a third of a layer's time at 8K tokens, on the time to first layer.
+every segment -- on a 2-core machine a sizeable part of a layer's time, on the time to first
+layer (docs/perf.md has the figures).
 Later layers do not pause: there the caller's waits matter less than the load's throughput.
 
 Layer 0 is cut in twice as many chunks (the caller waits on it first; a task that is ahead takes
 over part of a delayed one's share), and a task that finds no chunk of it left goes on to layer 1
 (holding it back until layer 0 was done, which meant a task leaving and another starting, was
-measured ~0.4 ms later to the first layer). Layers stay within ``window`` layers of what the
+measured later to the first layer). Layers stay within ``window`` layers of what the
 caller has consumed (``wait_for_layer(i)`` always loads up to ``i``). A task leaves when it may
 take nothing more, and whoever makes a chunk takeable again (the caller consuming a layer or
 asking for a later one) starts tasks up to ``workers`` again. When other tasks (another load's, the
@@ -211,7 +211,7 @@ class LoadStream:
         self.layout = layout
         self._on_close = on_close
         self.num_layers = layout.num_layers
-        self.num_tokens = plan.num_blocks * 64
+        self.num_tokens = plan.num_blocks * target.block_tokens
         self.device = target.device
         self._target = target
         self._readers = readers
@@ -219,7 +219,7 @@ class LoadStream:
         self._ring = ring
         self._window = max(1, window)
         self._on_failure = on_failure
-        self._segment_bytes = 64 * layout.token_bytes
+        self._segment_bytes = target.block_tokens * layout.token_bytes
         per_segment = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
         if not target.direct:
             per_segment += self._segment_bytes  # the slot also holds the decrypted chunk

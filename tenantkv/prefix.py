@@ -1,4 +1,6 @@
-"""Prefix keys: keyed, chained hashes of 64-token blocks (pure functions, no I/O).
+"""Prefix keys: keyed, chained hashes of token blocks (pure functions, no I/O).
+
+Blocks are 64 tokens unless a namespace chose another size (then ``64`` below reads as that).
 
 ::
 
@@ -20,7 +22,12 @@ from typing import Any, NewType
 
 from .tokens import TokenArray
 
+#: Tokens per block unless a namespace says otherwise (``TenantKV.namespace(block_tokens=)``).
 BLOCK_TOKENS = 64
+#: Block sizes a namespace may choose: multiples of 16 (engines page KV in 16/32/64-token
+#: blocks), up to 1024.
+BLOCK_TOKENS_STEP = 16
+MAX_BLOCK_TOKENS = 1024
 BLOCK_KEY_BYTES = 32
 
 BlockKey = NewType("BlockKey", bytes)
@@ -44,20 +51,32 @@ def model_fingerprint(model: str, revision: str | None, layout: dict[str, Any]) 
     return Fingerprint(hashlib.sha256(canonical.encode("utf-8")).digest())
 
 
-def full_blocks(num_tokens: int) -> int:
-    """How many full 64-token blocks ``num_tokens`` tokens make."""
-    return num_tokens // BLOCK_TOKENS
+def layout_identity(layout: dict[str, Any], block_tokens: int) -> dict[str, Any]:
+    """What the fingerprint hashes of a namespace's layout: the layout's description, and the
+    block size when it is not the default (so every namespace made before block sizes could be
+    chosen keeps its fingerprint, and its cache)."""
+    if block_tokens == BLOCK_TOKENS:
+        return layout
+    return {**layout, "block_tokens": block_tokens}
+
+
+def full_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """How many full blocks of ``block_tokens`` tokens ``num_tokens`` tokens make."""
+    return num_tokens // block_tokens
 
 
 def block_keys(
-    namespace_key: bytes, fingerprint: Fingerprint, tokens: TokenArray
+    namespace_key: bytes,
+    fingerprint: Fingerprint,
+    tokens: TokenArray,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> list[BlockKey]:
     """The chained keys of every full block of ``tokens``."""
     data = tokens.astype("<u4", copy=False).tobytes()
-    step = BLOCK_TOKENS * 4
+    step = block_tokens * 4
     keys: list[BlockKey] = []
     previous: bytes = fingerprint
-    for start in range(0, full_blocks(len(tokens)) * step, step):
+    for start in range(0, full_blocks(len(tokens), block_tokens) * step, step):
         digest = hashlib.blake2b(
             previous, key=namespace_key, digest_size=BLOCK_KEY_BYTES, person=_PERSON
         )

@@ -49,8 +49,8 @@ def _list_as_token_array(tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
 
     ``array.array`` takes ints and other integer types (``__index__``), and refuses floats,
     strings, nested sequences and ids outside [0, 2**32). It takes booleans as 0 and 1, so only
-    the elements that are 0 or 1 have their type checked. (A per-element check of every type
-    costs ~0.3 ms for 8K tokens, on the path to a load's first layer.)
+    the elements that are 0 or 1 have their type checked: a per-element check of every type
+    is measurable on the path to a load's first layer (docs/perf.md).
     """
     try:
         packed = array.array(_UINT32_CODE, tokens)

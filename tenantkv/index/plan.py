@@ -3,8 +3,8 @@
 A load's first layer waits on the plan query, so it is cheap to run. It is a SQLAlchemy Core
 ``select`` (no ORM session or entities), rendered to SQL once per database driver and IN-list
 size (the next power of two of the number of keys, padded with a repeated key) and run with the
-driver's own parameters: building and coercing a statement on every load cost ~3x more than
-SQLite needs to run it, and expanding an IN list per call another ~0.3 ms for 128 keys. One
+driver's own parameters: building and coercing a statement on every load cost several times
+what SQLite needs to run it, and expanding an IN list per call more again (docs/perf.md). One
 statement also reads the block rows, their extents and the data keys in one snapshot, so no
 transaction is needed to keep them consistent with each other. The record of use is a prebuilt
 Core statement too.

@@ -51,7 +51,6 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from ..api import TenantKV
 from ..errors import CacheMissError, InvalidRequestError, LoadError
 from ..layout import KVLayout, Layer
-from ..prefix import BLOCK_TOKENS
 from ..retention import DEFAULT_KIND
 from ..services.namespace import Namespace
 from ..tokens import as_token_array
@@ -200,7 +199,8 @@ class PrefixCache:
         token_array = as_token_array(self._flat_tokens(tokens))
         layers = self._cache_layers(cache)
         cached = min(len(token_array), cache.get_seq_length())
-        usable = cached // BLOCK_TOKENS * BLOCK_TOKENS
+        block = self.namespace.block_tokens
+        usable = cached // block * block
         if usable == 0:
             return 0
         # Copy (and move off the device) only the tokens after the already cached prefix: a
@@ -248,11 +248,11 @@ class PrefixCache:
         token_array = as_token_array(self._flat_tokens(tokens))
         return self.namespace.lookup(token_array[: self._restorable(len(token_array))])
 
-    @staticmethod
-    def _restorable(num_tokens: int) -> int:
+    def _restorable(self, num_tokens: int) -> int:
         """The longest restorable prefix: whole blocks, leaving at least one token to compute
         (the model must run the last prompt token to produce the next token's logits)."""
-        return max(num_tokens - 1, 0) // BLOCK_TOKENS * BLOCK_TOKENS
+        block = self.namespace.block_tokens
+        return max(num_tokens - 1, 0) // block * block
 
     def restore(
         self,

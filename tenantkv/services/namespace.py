@@ -43,7 +43,16 @@ from ..index.schema import Namespace as NamespaceRow
 from ..layout import KVLayout
 from ..load_targets import LoadTarget
 from ..loader import ExtentFailure, LoadStream, open_readers
-from ..prefix import BLOCK_TOKENS, BlockKey, Fingerprint, block_keys, model_fingerprint
+from ..prefix import (
+    BLOCK_TOKENS,
+    BLOCK_TOKENS_STEP,
+    MAX_BLOCK_TOKENS,
+    BlockKey,
+    Fingerprint,
+    block_keys,
+    layout_identity,
+    model_fingerprint,
+)
 from ..read_plan import PlannedExtent, ReadPlan, group_runs
 from ..retention import DEFAULT_KIND, check_kind
 from ..retention import loads as loads_retention
@@ -66,6 +75,8 @@ class NamespaceIdentity:
     scope: str | None
     model: str
     fingerprint: Fingerprint
+    #: Tokens per block: every key, lookup length and load of the namespace is in these blocks.
+    block_tokens: int = BLOCK_TOKENS
 
 
 class Namespace:
@@ -84,6 +95,11 @@ class Namespace:
         return self.identity.tenant
 
     @property
+    def block_tokens(self) -> int:
+        """Tokens per block in this namespace (64 unless it was opened with another size)."""
+        return self.identity.block_tokens
+
+    @property
     def scope(self) -> str | None:
         return self.identity.scope
 
@@ -100,7 +116,9 @@ class Namespace:
     # ---- keys and index queries ---------------------------------------------------------------
 
     def _keys(self, tokens: Any) -> list[BlockKey]:
-        return block_keys(self._hash_key, self.identity.fingerprint, as_token_array(tokens))
+        return block_keys(
+            self._hash_key, self.identity.fingerprint, as_token_array(tokens), self.block_tokens
+        )
 
     def _present_keys(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> set[bytes]:
         """The subset of ``keys`` that is indexed (see ``index.blocks.present_keys``)."""
@@ -125,14 +143,14 @@ class Namespace:
     # ---- lookup -------------------------------------------------------------------------------
 
     def lookup(self, tokens: Any) -> int:
-        """Length of the longest cached prefix of ``tokens`` (a multiple of 64; 0 on a miss).
+        """Length of the longest cached prefix of ``tokens`` (whole blocks; 0 on a miss).
 
         Index failures degrade to 0 (logged, counted, not metered) unless the cache was opened
         with ``strict=True``.
         """
         self._ctx.runtime.check_open()
         token_array = as_token_array(tokens)
-        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array, self.block_tokens)
         hit = 0
         if keys:
             try:
@@ -140,7 +158,7 @@ class Namespace:
             except SQLAlchemyError as err:
                 # An index outage is the operator's, not a miss to bill to the tenant.
                 return self._ctx.serving.degrade("lookup", err, 0)
-            hit = self._run_from_zero(keys, present) * BLOCK_TOKENS
+            hit = self._run_from_zero(keys, present) * self.block_tokens
         self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
         return hit
 
@@ -155,14 +173,15 @@ class Namespace:
             present = self._present_keys(keys, stop_at_gap=True)
         except SQLAlchemyError as err:
             return self._ctx.serving.degrade("cached_length", err, 0)
-        return self._run_from_zero(keys, present) * BLOCK_TOKENS
+        return self._run_from_zero(keys, present) * self.block_tokens
 
     # ---- store --------------------------------------------------------------------------------
 
     def store(
         self, tokens: Any, layers: Sequence[Any], *, kind: str = DEFAULT_KIND, start: int = 0
     ) -> int:
-        """Store the full 64-token blocks of ``tokens`` that are not cached yet.
+        """Store the full blocks (64 tokens unless the namespace chose another size) of
+        ``tokens`` that are not cached yet.
 
         ``layers`` holds one entry per model layer covering the tokens ``tokens[start:]``: a
         tensor ``[T - start, kv_lora_rank + rope_dim]`` (MLA) or a pair ``(k, v)`` of
@@ -183,15 +202,15 @@ class Namespace:
             isinstance(start, bool)
             or not isinstance(start, int)
             or not 0 <= start <= len(token_array)
-            or start % BLOCK_TOKENS
+            or start % self.block_tokens
         ):
             raise InvalidRequestError(
-                f"start must be a multiple of {BLOCK_TOKENS} within the {len(token_array)} "
+                f"start must be a multiple of {self.block_tokens} within the {len(token_array)} "
                 f"tokens, got {start!r}"
             )
         rows = self.layout.validate_layers(layers, len(token_array) - start)
         check_kind(kind)
-        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array, self.block_tokens)
         try:
             settings = self._tenant_settings()
             if kind not in settings[3]:
@@ -202,11 +221,13 @@ class Namespace:
             if not keys:
                 return 0
             present = self._present_keys(keys, stop_at_gap=False)
-            first_missing = max(self._run_from_zero(keys, present), start // BLOCK_TOKENS)
+            first_missing = max(self._run_from_zero(keys, present), start // self.block_tokens)
             positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
             if not positions:
                 return 0
-            return self._store_blocks(keys, positions, rows, start // BLOCK_TOKENS, kind, settings)
+            return self._store_blocks(
+                keys, positions, rows, start // self.block_tokens, kind, settings
+            )
         except (SQLAlchemyError, StorageError) as err:
             return self._ctx.serving.degrade("store", err, 0)
 
@@ -236,7 +257,7 @@ class Namespace:
         geometry = ExtentGeometry(
             num_blocks=len(positions),
             num_layers=self.layout.num_layers,
-            segment_bytes=BLOCK_TOKENS * self.layout.token_bytes,
+            segment_bytes=self.block_tokens * self.layout.token_bytes,
             suite=suite,
         )
         if geometry.total_bytes > quota:
@@ -267,8 +288,10 @@ class Namespace:
             self._ctx.blocks.delete(extent_id)  # another writer indexed these blocks first
         discard_evicted(self._ctx, self.identity.tenant_id, evicted)
         if inserted:
-            self._meter(stored_tokens=inserted * BLOCK_TOKENS, stored_bytes=geometry.total_bytes)
-        return inserted * BLOCK_TOKENS
+            self._meter(
+                stored_tokens=inserted * self.block_tokens, stored_bytes=geometry.total_bytes
+            )
+        return inserted * self.block_tokens
 
     def _seal_and_write_layer(
         self,
@@ -399,7 +422,7 @@ class Namespace:
         out: Sequence[Any] | None = None,
         block_rows: Sequence[int] | None = None,
     ) -> LoadStream:
-        """Stream the cached prefix ``tokens`` (whole 64-token blocks, all cached) layer by layer.
+        """Stream the cached prefix ``tokens`` (whole blocks, all cached) layer by layer.
 
         Reading starts at once, in the background; iterate the stream, or call
         ``wait_for_layer(i)``, to receive layers. Without ``out`` every layer is a fresh tensor of
@@ -417,14 +440,21 @@ class Namespace:
         self._ctx.runtime.check_open()
         target_device = self._parse_device(device)
         token_array = as_token_array(tokens)
-        if len(token_array) == 0 or len(token_array) % BLOCK_TOKENS:
+        if len(token_array) == 0 or len(token_array) % self.block_tokens:
             raise InvalidRequestError(
-                f"load takes a whole number of 64-token blocks (got {len(token_array)} tokens); "
+                f"load takes a whole number of {self.block_tokens}-token blocks (got "
+                f"{len(token_array)} tokens); "
                 "use lookup() to find the cached length"
             )
-        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array)
+        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array, self.block_tokens)
         target = LoadTarget(
-            self.layout, target_device, len(keys), out, block_rows, self._ctx.runtime.layer_pool
+            self.layout,
+            target_device,
+            len(keys),
+            out,
+            block_rows,
+            self._ctx.runtime.layer_pool,
+            block_tokens=self.block_tokens,
         )
         try:
             plan, lease = self._plan_and_lease(keys)
@@ -497,7 +527,7 @@ class Namespace:
                 self._ctx.blocks.prefetch(run.extent.extent_id, ranges)
         except (SQLAlchemyError, StorageError, CacheMissError) as err:
             return self._ctx.serving.degrade("prefetch", err, 0)
-        return cached * BLOCK_TOKENS
+        return cached * self.block_tokens
 
     @staticmethod
     def _parse_device(device: str | torch.device) -> torch.device:
@@ -551,7 +581,8 @@ class Namespace:
         cached = self._run_from_zero(keys, located)
         if cached < len(keys):
             raise CacheMissError(
-                f"only {cached * BLOCK_TOKENS} of {len(keys) * BLOCK_TOKENS} tokens are cached"
+                f"only {cached * self.block_tokens} of {len(keys) * self.block_tokens} tokens "
+                "are cached"
             )
         planned = {extent_id: self._planned_extent(row) for extent_id, row in extents.items()}
         return group_runs([(key, planned[located[key][0]], located[key][1]) for key in keys])
@@ -564,7 +595,7 @@ class Namespace:
             row.num_blocks, row.num_layers, row.segment_bytes, CipherSuite(row.suite)
         )
         if geometry.num_layers != self.layout.num_layers or geometry.segment_bytes != (
-            BLOCK_TOKENS * self.layout.token_bytes
+            self.block_tokens * self.layout.token_bytes
         ):
             raise CacheMissError("an indexed extent does not match this namespace's layout")
         tenant_id = self.identity.tenant_id
@@ -645,6 +676,7 @@ def open_namespace(
     layout: KVLayout,
     scope: str | None,
     revision: str | None,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> Namespace:
     """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
     check_tenant_name(tenant)
@@ -655,7 +687,19 @@ def open_namespace(
         _check_label("revision", revision, _MAX_MODEL)
     if not isinstance(layout, KVLayout):
         raise InvalidRequestError("layout must be a tenantkv.KVLayout")
-    fingerprint = model_fingerprint(model, revision, layout.describe())
+    if (
+        isinstance(block_tokens, bool)
+        or not isinstance(block_tokens, int)
+        or not 0 < block_tokens <= MAX_BLOCK_TOKENS
+        or block_tokens % BLOCK_TOKENS_STEP
+    ):
+        raise InvalidRequestError(
+            f"block_tokens must be a multiple of {BLOCK_TOKENS_STEP} from {BLOCK_TOKENS_STEP} "
+            f"to {MAX_BLOCK_TOKENS}, got {block_tokens!r}"
+        )
+    fingerprint = model_fingerprint(
+        model, revision, layout_identity(layout.describe(), block_tokens)
+    )
     scope_value = scope or ""
     for _attempt in range(2):
         with ctx.index.read() as session:
@@ -676,6 +720,8 @@ def open_namespace(
             if not namespaces.create(ctx.index, row):
                 continue  # lost a creation race; read the winner's row
         hash_key = ctx.keys.namespace_key(tenant_id, row.id, row.wrapped_hash_key)
-        identity = NamespaceIdentity(row.id, tenant_id, tenant, scope, model, fingerprint)
+        identity = NamespaceIdentity(
+            row.id, tenant_id, tenant, scope, model, fingerprint, block_tokens
+        )
         return Namespace(ctx, identity, layout, hash_key)
     raise RuntimeError("namespace creation did not converge")  # pragma: no cover
