@@ -39,8 +39,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BLOCK_TOKENS",
-    "CacheConfig",
     "CacheClosedError",
+    "CacheConfig",
     "CacheMissError",
     "CacheUnavailableError",
     "GcReport",
