@@ -14,13 +14,13 @@
 
 from .api import TenantKV, open
 from .config import CacheConfig
-from .crypto import MasterKeyError
 from .errors import (
     CacheClosedError,
     CacheMissError,
     CacheUnavailableError,
     InvalidRequestError,
     LoadError,
+    MasterKeyError,
     QuotaExceededError,
     SegmentIntegrityError,
     TenantExistsError,

@@ -20,12 +20,13 @@ from typing import Any, Self
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from . import crypto
 from .audit import Attribution
 from .config import CacheConfig, block_store_path
 from .context import CacheContext, build_context
 from .coordination import CoordinationThread
 from .crypto import KeyEncryptionKey, KeyWrapper, default_master_key_provider
-from .errors import InvalidRequestError
+from .errors import CacheUnavailableError, InvalidRequestError, MasterKeyError
 from .index import leases, stats
 from .index.database import Database
 from .layout import KVLayout
@@ -39,7 +40,7 @@ from .services.purge import PurgeReport
 from .services.setup import prepare_index
 from .services.tenants import TenantInfo
 from .staging import RingStats
-from .storage import BlockStore, LocalBlockStore
+from .storage import BlockStore, LocalBlockStore, StorageError
 
 logger = logging.getLogger("tenantkv")
 
@@ -222,7 +223,10 @@ class TenantKV:
         ``orphan_grace`` defaults to the config's (10 minutes)."""
         ctx = self._open()
         grace = ctx.config.orphan_grace if orphan_grace is None else orphan_grace
-        return gc_collect(ctx, orphan_grace=grace, progress=progress)
+        try:
+            return gc_collect(ctx, orphan_grace=grace, progress=progress)
+        except StorageError as err:  # listing the block store failed
+            raise CacheUnavailableError(f"gc failed: {err}") from err
 
     def start_background_gc(self, interval: float) -> None:
         """Collect garbage every ``interval`` seconds until :meth:`close` (idempotent)."""
@@ -313,6 +317,19 @@ class TenantKV:
         }
 
 
+def _key_wrapper(config: CacheConfig) -> KeyWrapper:
+    """The master key the config names (the key file under the root by default)."""
+    if isinstance(config.master_key, KeyWrapper):
+        return config.master_key
+    provider = config.master_key or default_master_key_provider(config.root / "master.key")
+    try:
+        return KeyEncryptionKey(provider.load())
+    except crypto.MasterKeyError as err:
+        if isinstance(err, MasterKeyError):
+            raise
+        raise MasterKeyError(str(err)) from err
+
+
 def open(
     root_or_config: str | os.PathLike[str] | CacheConfig,
     /,
@@ -354,13 +371,7 @@ def open(
         settings.setdefault("load_workers", load_threads)
     config = config.with_overrides(**settings)
     config.root.mkdir(parents=True, exist_ok=True)
-    wrapper: KeyWrapper
-    if config.master_key is None:
-        wrapper = KeyEncryptionKey(default_master_key_provider(config.root / "master.key").load())
-    elif isinstance(config.master_key, KeyWrapper):
-        wrapper = config.master_key
-    else:
-        wrapper = KeyEncryptionKey(config.master_key.load())
+    wrapper = _key_wrapper(config)
     store = block_store or LocalBlockStore(
         block_store_path(config.blocks_url), durable=config.durable
     )

@@ -8,10 +8,18 @@
   :class:`SegmentIntegrityError` is the case where stored bytes failed to open (tampering or
   corruption): the extent has been dropped and a security event recorded.
 * :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
-  serving path degrades to a miss).
+  serving path degrades to a miss; maintenance calls raise it).
+* :class:`MasterKeyError` -- the master key is missing, unreadable, or not this index's.
+
+Every one is a :class:`TenantKVError`. The leaf packages (``tenantkv.crypto``, ``.storage``,
+``.audit``) keep their own error types, since they import nothing of tenantkv's; the services
+wrap them where they reach a caller (a crypto master-key error is also a
+:class:`MasterKeyError` here, a storage failure a :class:`CacheUnavailableError`).
 """
 
 from __future__ import annotations
+
+from .crypto import MasterKeyError as _CryptoMasterKeyError
 
 
 class TenantKVError(Exception):
@@ -56,6 +64,11 @@ class LoadError(TenantKVError):
 
 class SegmentIntegrityError(LoadError):
     """A stored segment failed to open: the extent was evicted and a security event recorded."""
+
+
+class MasterKeyError(TenantKVError, _CryptoMasterKeyError):
+    """The master key could not be had, or does not open this cache's index. Also a
+    ``tenantkv.crypto.MasterKeyError``, so either can be caught."""
 
 
 class QuotaExceededError(TenantKVError):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..context import CacheContext
-from ..crypto import KeyWrapper, MasterKeyError, SealOpenError, new_key
+from ..crypto import KeyWrapper, SealOpenError, new_key
+from ..errors import MasterKeyError
 from ..index import settings
 from .capacity import init_capacity
 
