@@ -38,6 +38,7 @@ def test_tenant_lifecycle_is_audited_and_verifies(kv: TenantKV) -> None:
     assert "tenant.delete" in _actions(kv, "acme")
 
 
+@pytest.mark.usefixtures("index")
 def test_a_refused_action_leaves_no_record(tmp_path: Path) -> None:
     with tenantkv.open(tmp_path / "c", durable=False, capacity_bytes=2**20) as kv:
         with pytest.raises(tenantkv.QuotaExceededError):
@@ -69,6 +70,7 @@ def test_security_events_are_audited(kv: TenantKV, cache_root: Path) -> None:
     assert "quota.refused" in actions and "segment.open_failed" in actions
 
 
+@pytest.mark.usefixtures("index")
 def test_gc_writes_usage_summaries_and_checkpoints(tmp_path: Path) -> None:
     now = [1_800_000_000.0]
     with tenantkv.open(tmp_path / "c", durable=False, clock=lambda: now[0]) as kv:
@@ -93,6 +95,7 @@ def test_gc_writes_usage_summaries_and_checkpoints(tmp_path: Path) -> None:
         assert _actions(kv, "acme").count("usage.summary") == 1
 
 
+@pytest.mark.usefixtures("index")
 def test_cli_audit_commands_are_wired(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "c"
     with tenantkv.open(root, durable=False) as kv:

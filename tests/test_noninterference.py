@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
@@ -249,6 +250,7 @@ def first_difference(a: Trace, b: Trace) -> str:
 # ---- the property -------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("index")
 @settings(
     max_examples=25,
     deadline=None,
@@ -282,6 +284,7 @@ def flood_schedule(rounds: int = 8, per_round: int = 5) -> Schedule:
     return schedule
 
 
+@pytest.mark.usefixtures("index")
 def test_flood_does_not_evict_b() -> None:
     schedule = flood_schedule()
     baseline = trace_of_b(schedule, "removed")
@@ -298,6 +301,7 @@ def test_flood_does_not_evict_b() -> None:
     assert usage["hit_tokens"] == sum(lookups) + sum(loads)
 
 
+@pytest.mark.usefixtures("index")
 def test_flood_pressure_is_real() -> None:
     """Positive control for the flood: A really is over its quota, so its own oldest prefixes go,
     while its bytes stay within the quota."""
@@ -319,6 +323,7 @@ def test_flood_pressure_is_real() -> None:
 # ---- positive controls: no isolation, and the interference shows --------------------------------
 
 
+@pytest.mark.usefixtures("index")
 def test_shared_namespace_flood_does_interfere() -> None:
     """If "A" stores through B's namespace, its flood evicts B's prefixes: B's trace changes."""
     schedule = flood_schedule()
@@ -330,6 +335,7 @@ def test_shared_namespace_flood_does_interfere() -> None:
     assert 0 in lookups, "B's prefixes were evicted by the flood in its own namespace"
 
 
+@pytest.mark.usefixtures("index")
 def test_shared_namespace_store_does_interfere() -> None:
     """If "A" stores B's prefix through B's namespace first, B's own store then stores nothing;
     with separate namespaces (the same tokens in A's), B's store is unaffected."""
@@ -362,6 +368,7 @@ def test_comparison_sees_a_one_bit_change() -> None:
 # ---- regression: a stale handle of a deleted tenant must not break anyone's metering ------------
 
 
+@pytest.mark.usefixtures("index")
 def test_stale_handle_of_deleted_tenant_does_not_break_b_usage() -> None:
     """A server still holding a namespace handle of a deleted (and recreated) tenant A looks up
     through it; A's counters for the deleted tenant have nowhere to go, but B's usage must read as

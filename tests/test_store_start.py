@@ -106,6 +106,7 @@ def test_cached_length_is_not_metered_and_agrees_with_lookup(acme: TenantKV) -> 
     assert acme.usage("acme")["hit_tokens"] == before["hit_tokens"] + 256
 
 
+@pytest.mark.usefixtures("index")
 @settings(max_examples=25, deadline=None)
 @given(
     first=st.integers(min_value=0, max_value=6),

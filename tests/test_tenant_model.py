@@ -625,11 +625,13 @@ class TightMachine(TenantMachine):
     regime = TIGHT
 
 
+@pytest.mark.usefixtures("index")
 def test_tenants_against_model_without_eviction() -> None:
     """Quotas far above what can be stored: stores, expiry, keys, deletion, GC, metering."""
     run_state_machine_as_test(RoomyMachine, settings=MACHINE_SETTINGS)
 
 
+@pytest.mark.usefixtures("index")
 def test_tenants_against_model_with_eviction() -> None:
     """Quotas of a few extents: the same machine with quota eviction on most runs."""
     run_state_machine_as_test(TightMachine, settings=MACHINE_SETTINGS)
@@ -638,6 +640,7 @@ def test_tenants_against_model_with_eviction() -> None:
 # ---- controls and targeted checks ---------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("index")
 @settings(max_examples=1, deadline=None, database=None)
 @given(st.none())
 def test_machine_has_power(_: None) -> None:
@@ -664,6 +667,7 @@ def make_cache(root: str, clock: FakeClock, capacity: int) -> TenantKV:
     return tenantkv.open(root, durable=False, workers=2, capacity_bytes=capacity, clock=clock)
 
 
+@pytest.mark.usefixtures("index")
 def test_quota_eviction_completes(tmp_path: Any) -> None:
     """A store over the quota evicts the least recently used extent, meters it, removes its file
     and returns normally. (Regression: eviction used to raise TypeError in
@@ -682,6 +686,7 @@ def test_quota_eviction_completes(tmp_path: Any) -> None:
         assert len(list(kv.store_backend.list())) == 2
 
 
+@pytest.mark.usefixtures("index")
 def test_restore_of_expired_prefix_before_gc(tmp_path: Any) -> None:
     """An expired prefix is a miss at once, and storing it again caches it again, before GC."""
     clock = FakeClock()
@@ -697,6 +702,7 @@ def test_restore_of_expired_prefix_before_gc(tmp_path: Any) -> None:
         assert (stored, ns.lookup(tokens)) == (len(tokens), len(tokens))
 
 
+@pytest.mark.usefixtures("index")
 def test_gc_does_not_warn_about_extents_it_collected(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
