@@ -340,6 +340,21 @@ def test_bad_retention_class_name_is_refused(cache: TenantKV, kind: Any) -> None
     assert ok.retention is not None and ok.retention["a" * 64] == 86400.0
 
 
+def test_retention_with_more_classes_than_the_index_holds_is_refused(cache: TenantKV) -> None:
+    """A tenant's retention is kept as text of at most 1024 characters (PostgreSQL enforces the
+    column's length; SQLite would not): more classes are refused the same way on every index."""
+    classes = {f"class-{i:02d}-" + "x" * 50: "1d" for i in range(20)}  # ~1400 characters
+    with pytest.raises(InvalidRequestError, match="retention"):
+        cache.create_tenant("acme", quota_bytes=BIG_QUOTA, retention=classes)
+    assert cache.list_tenants() == []
+    first = dict(list(classes.items())[:10])
+    before = cache.create_tenant("acme", quota_bytes=BIG_QUOTA, retention=first)  # control
+    assert before.retention is not None and len(before.retention) == 12
+    with pytest.raises(InvalidRequestError, match="retention"):  # the classes add up
+        cache.update_tenant("acme", retention=dict(list(classes.items())[10:]))
+    assert cache.get_tenant("acme") == before
+
+
 @pytest.mark.parametrize("retention", [["agent"], "3d", 3, {"agent": "3d"}.items()], ids=repr)
 def test_retention_that_is_not_a_mapping_is_refused(cache: TenantKV, retention: Any) -> None:
     with pytest.raises(InvalidRequestError):
