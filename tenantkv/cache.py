@@ -62,7 +62,7 @@ logger = logging.getLogger("tenantkv")
 
 _MAX_SCOPE = 256
 _MAX_MODEL = 256
-_CAPACITY = "capacity_bytes"
+_CAPACITY = tenants.CAPACITY_ROW
 _OVERCOMMIT = "allow_overcommit"
 DEFAULT_QUOTA_BYTES = 2**30
 _KEY_CHECK = "master_key_check"
@@ -182,7 +182,8 @@ class TenantKV:
         policy is recorded as a security event), otherwise the stored ones (or the defaults:
         the size of the file system holding the root, no overcommit) apply."""
         with self.db.write() as session:
-            stored_capacity = session.get(SchemaInfo, _CAPACITY)
+            # Locked like every quota change (see tenants._check_capacity).
+            stored_capacity = session.get(SchemaInfo, _CAPACITY, with_for_update=True)
             stored_overcommit = session.get(SchemaInfo, _OVERCOMMIT)
             if capacity_bytes is None:
                 capacity = (

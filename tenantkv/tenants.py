@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from .audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from .errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
-from .models import DataKey, Extent, Namespace, Tenant
+from .models import DataKey, Extent, Namespace, SchemaInfo, Tenant
 from .quota import Evicted, make_room, tenant_bytes, total_quota
 from .retention import dumps as dumps_retention
 from .retention import loads as loads_retention
@@ -29,6 +29,7 @@ from .retention import parse_retention
 if TYPE_CHECKING:
     from .cache import TenantKV
 
+CAPACITY_ROW = "capacity_bytes"  # the tkv_schema row holding the store's capacity
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -89,6 +90,12 @@ def _check_capacity(kv: TenantKV, session: Session, quota: int, tenant_id: bytes
     """Quotas reserve capacity: refuse a quota that would overcommit the store."""
     if kv.allow_overcommit:
         return
+    # Quota changes of all tenants take turns on the capacity row: SQLite runs write
+    # transactions one at a time anyway, but on PostgreSQL two of them could each see the
+    # other's reservation missing and together overcommit the store.
+    session.execute(
+        select(SchemaInfo.name).where(SchemaInfo.name == CAPACITY_ROW).with_for_update()
+    )
     reserved = total_quota(session, excluding=tenant_id)
     if reserved + quota > kv.capacity_bytes:
         raise QuotaExceededError(

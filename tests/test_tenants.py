@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -421,6 +422,52 @@ def test_quotas_may_not_exceed_capacity(
         assert kv.update_tenant("a", quota_bytes=900).quota_bytes == 900
         assert "overcommit_changed" not in kv.security_events()
         assert kv.info()["capacity_bytes"] == 1000 and kv.info()["allow_overcommit"] is False
+
+
+def test_concurrent_quota_changes_never_reserve_more_than_the_capacity(
+    cache_root: Path, clock: FakeClock, master_key: bytes
+) -> None:
+    """Two nodes sharing one index create tenants, then raise quotas, all at once. SQLite runs
+    their transactions one at a time; PostgreSQL runs them side by side, and must still let
+    only what fits through."""
+    nodes = [open_cache(cache_root, clock, master_key, capacity_bytes=1000) for _ in range(2)]
+    try:
+
+        def at_once(calls: list[Callable[[], object]]) -> list[str]:
+            barrier = threading.Barrier(len(calls))
+            outcomes: list[str] = []
+
+            def run(call: Callable[[], object]) -> None:
+                barrier.wait()
+                try:
+                    call()
+                    outcomes.append("done")
+                except QuotaExceededError:
+                    outcomes.append("refused")
+                except BaseException as err:
+                    outcomes.append(repr(err))
+
+            threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            return sorted(outcomes)
+
+        creates = [
+            lambda i=i: nodes[i % 2].create_tenant(f"t{i}", quota_bytes=300) for i in range(8)
+        ]
+        assert at_once(creates) == ["done"] * 3 + ["refused"] * 5
+        names = [t.name for t in nodes[0].list_tenants()]
+        raises = [
+            lambda i=i, name=name: nodes[i % 2].update_tenant(name, quota_bytes=400)
+            for i, name in enumerate(names)
+        ]
+        assert at_once(raises) == ["done"] + ["refused"] * 2  # 900 + 100 = 1000 fits once
+        assert sum(t.quota_bytes for t in nodes[1].list_tenants()) == 1000
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_overcommit_is_opt_in_audited_and_persists(
