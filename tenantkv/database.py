@@ -9,6 +9,8 @@ lookups never wait on writers (WAL lets readers run beside one writer).
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,12 +25,26 @@ SCHEMA_VERSION = "1"
 _IMMEDIATE = "tenantkv_immediate"
 
 
+def _enable_wal(cursor: Any, timeout: float = 30.0) -> None:
+    """Switch to WAL mode. On a new database file that takes a lock for which SQLite does not
+    wait (busy_timeout does not apply), so connections opening a new index together retry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
