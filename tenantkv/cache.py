@@ -141,14 +141,15 @@ class TenantKV:
         self._closed = False
         self._lock = threading.Lock()
         try:
-            self.db.create_schema()
-            self._check_master_key(key_wrapper)
-            self.audit = AuditLog(key_wrapper, clock=clock)
-            with self.db.write() as session:
-                self.audit.ensure_signing_key(session)
-            self.capacity_bytes, self.allow_overcommit = self._settle_capacity(
-                capacity_bytes, allow_overcommit
-            )
+            with self.db.opening():
+                self.db.create_schema()
+                self._check_master_key(key_wrapper)
+                self.audit = AuditLog(key_wrapper, clock=clock)
+                with self.db.write() as session:
+                    self.audit.ensure_signing_key(session)
+                self.capacity_bytes, self.allow_overcommit = self._settle_capacity(
+                    capacity_bytes, allow_overcommit
+                )
         except BaseException:
             self.executor.shutdown(wait=False)
             self.load_executor.shutdown(wait=False)

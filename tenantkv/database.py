@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, select
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -23,6 +23,9 @@ from .models import Base, SchemaInfo
 
 SCHEMA_VERSION = "1"
 _IMMEDIATE = "tenantkv_immediate"
+# PostgreSQL advisory locks, one pair per schema: "open" is held while a process creates or
+# checks the index's tables and settings on opening, "ddl" while it creates tables.
+_ADVISORY = "SELECT pg_advisory_{}(hashtext('tenantkv.{}:' || current_schema()))"
 
 
 def _enable_wal(cursor: Any, timeout: float = 30.0) -> None:
@@ -71,9 +74,42 @@ class Database:
         self._write_engine = self.engine.execution_options(**{_IMMEDIATE: True})
         self.dialect = self.engine.dialect.name
 
+    def create_tables(self, *metadata: MetaData) -> None:
+        """Create the missing tables of ``metadata``, one process at a time.
+
+        Processes starting together on a new index would otherwise each find a table missing
+        and create it: SQLite fails the deferred transaction that read first at once (BUSY,
+        hence an immediate one here); on PostgreSQL the second CREATE TABLE fails with a
+        duplicate key of pg_type (hence a lock per schema, released at commit).
+        """
+        with self.write_connection() as connection:
+            if self.dialect == "postgresql":
+                connection.exec_driver_sql(_ADVISORY.format("xact_lock", "ddl"))
+            for each in metadata:
+                each.create_all(connection)
+
+    @contextlib.contextmanager
+    def opening(self) -> Iterator[None]:
+        """Hold while opening: processes starting together on one index check or create its
+        settings (schema version, master-key check, capacity) one after another.
+
+        SQLite's write transactions are exclusive already; on PostgreSQL two processes could
+        both find a setting missing and insert it, and one would fail on the duplicate key.
+        """
+        if self.dialect != "postgresql":
+            yield
+            return
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql(_ADVISORY.format("lock", "open"))
+            connection.commit()
+            try:
+                yield
+            finally:
+                connection.exec_driver_sql(_ADVISORY.format("unlock", "open"))
+                connection.commit()
+
     def create_schema(self) -> None:
-        Base.metadata.create_all(self.engine)
-        AuditBase.metadata.create_all(self.engine)
+        self.create_tables(Base.metadata, AuditBase.metadata)
         with self.write() as session:
             row = session.get(SchemaInfo, "schema_version")
             if row is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 import tenantkv
 from tenantkv import TenantKV
-from tenantkv.crypto import MasterKeyError
+from tenantkv.crypto import KeyEncryptionKey, MasterKeyError
 from tenantkv.models import Block, Extent
 from tests.helpers import MHA_SMALL, MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
 
@@ -108,3 +109,38 @@ def test_many_threads_store_and_load_different_tenants(kv: TenantKV) -> None:
         thread.join()
     assert not errors, errors
     assert kv.info()["blocks"] == 4 * 3
+
+
+def test_nodes_opening_a_new_index_at_once_all_open_it(cache_root: Path) -> None:
+    """Several nodes start together on one new index: one creates the tables and settings, the
+    others find them (no 'already exists' or duplicate-key failures), and all serve one cache."""
+    key = KeyEncryptionKey(secrets.token_bytes(32))
+    count = 4
+    barrier = threading.Barrier(count)
+    opened: list[TenantKV] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            barrier.wait()
+            opened.append(tenantkv.open(cache_root, durable=False, master_key=key))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=start) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not errors, errors
+        opened[0].create_tenant("acme")
+        assert all([t.name for t in node.list_tenants()] == ["acme"] for node in opened)
+        keys = set()
+        for node in opened:
+            with node.db.write() as session:
+                keys.add(node.audit.public_key_pem(session))
+        assert len(keys) == 1  # one audit signing key for the whole index
+    finally:
+        for node in opened:
+            node.close()

@@ -82,7 +82,7 @@ class AuthError(Exception):
 
 def ensure_schema(kv: TenantKV) -> None:
     """Create the admin API's tables next to the cache's (idempotent)."""
-    ServerBase.metadata.create_all(kv.db.engine)
+    kv.db.create_tables(ServerBase.metadata)
 
 
 def hash_token(token: str) -> str:
