@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, Engine, MetaData, create_engine, event, select
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -23,8 +23,9 @@ from .models import Base, SchemaInfo
 
 SCHEMA_VERSION = "1"
 _IMMEDIATE = "tenantkv_immediate"
-# PostgreSQL advisory locks, one pair per schema: "open" is held while a process creates or
-# checks the index's tables and settings on opening, "ddl" while it creates tables.
+# PostgreSQL advisory locks, named per schema: "open" is held while a process creates or checks
+# the index's tables and settings on opening, "ddl" while it creates tables; take_turns() names
+# others.
 _ADVISORY = "SELECT pg_advisory_{}(hashtext('tenantkv.{}:' || current_schema()))"
 
 
@@ -83,10 +84,16 @@ class Database:
         duplicate key of pg_type (hence a lock per schema, released at commit).
         """
         with self.write_connection() as connection:
-            if self.dialect == "postgresql":
-                connection.exec_driver_sql(_ADVISORY.format("xact_lock", "ddl"))
+            self.take_turns(connection, "ddl")
             for each in metadata:
                 each.create_all(connection)
+
+    def take_turns(self, transaction: Session | Connection, name: str) -> None:
+        """Wait for, and until the end of ``transaction`` exclude, every other write transaction
+        that takes turns on ``name``. SQLite runs write transactions one at a time anyway; on
+        PostgreSQL, where they run side by side, this is an advisory lock of the schema."""
+        if self.dialect == "postgresql":
+            transaction.execute(text(_ADVISORY.format("xact_lock", name)))
 
     @contextlib.contextmanager
     def opening(self) -> Iterator[None]:

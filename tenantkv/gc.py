@@ -90,6 +90,9 @@ def _audit_maintenance(kv: TenantKV, now: float) -> None:
     each chain that grew, and the purge of audit records past their own retention."""
     until = float(int(now // BUCKET_SECONDS) * BUCKET_SECONDS)
     with kv.db.write() as session:
+        # Nodes collecting at once take turns, so that each reads the mark the one before it
+        # left (on PostgreSQL they would all read the old mark and each summarise the minutes).
+        kv.db.take_turns(session, "audit-maintenance")
         mark = session.get(SchemaInfo, _SUMMARY_MARK)
         since = float(mark.value) if mark is not None else None
         chains = ["system"]
