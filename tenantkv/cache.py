@@ -51,7 +51,7 @@ from .models import Block, DataKey, Extent, SchemaInfo, Tenant
 from .models import Namespace as NamespaceRow
 from .namespace import Namespace, NamespaceIdentity
 from .prefix import model_fingerprint
-from .quota import Evicted, total_quota
+from .quota import Evicted, lock_tenants, total_quota
 from .reseal import reseal_tenant
 from .security_events import SecurityEvent, SecurityEventLog
 from .staging import DEFAULT_RING_BYTES, DEFAULT_SLOT_BYTES, RingStats, StagingRing
@@ -525,6 +525,9 @@ class TenantKV:
     def drop_extent(self, extent_id: str) -> None:
         """Remove an extent from the index (first) and the block store (second)."""
         with self.db.write() as session:
+            tenant_id = session.scalar(select(Extent.tenant_id).where(Extent.id == extent_id))
+            if tenant_id is not None:
+                lock_tenants(session, [tenant_id])
             session.execute(delete(Block).where(Block.extent_id == extent_id))
             session.execute(delete(Extent).where(Extent.id == extent_id))
         self.delete_extent_file(extent_id)

@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .audit import USAGE_SUMMARY, chain_for
 from .metering import BUCKET_SECONDS, read_usage
 from .models import Block, Extent, Namespace, SchemaInfo, Tenant
+from .quota import lock_tenants
 from .storage import StorageError
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ def collect(
         batch = expired[start : start + _BATCH]
         ids = [row.id for row in batch]
         with kv.db.write() as session:  # index first ...
+            lock_tenants(session, {row.tenant_id for row in batch})
             session.execute(delete(Block).where(Block.extent_id.in_(ids)))
             session.execute(delete(Extent).where(Extent.id.in_(ids)))
         for row in batch:  # ... bytes second

@@ -19,6 +19,7 @@ from .audit import SEGMENT_OPEN_FAILED
 from .crypto import ExtentCipher, SealOpenError, SegmentContext, new_salt
 from .extent_format import ExtentGeometry
 from .models import Block, DataKey, Extent
+from .quota import lock_tenants
 from .storage import StorageError
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ def _reseal_one(kv: TenantKV, extent: Extent, new_key: bytes, version: int) -> N
         new_id = writer.commit()
     try:
         with kv.db.write() as session:
+            lock_tenants(session, [extent.tenant_id])
             session.add(
                 Extent(
                     id=new_id,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,68 @@ def test_nodes_opening_a_new_index_at_once_all_open_it(cache_root: Path) -> None
     finally:
         for node in opened:
             node.close()
+
+
+def test_stores_loads_retention_changes_and_gc_of_one_tenant_run_side_by_side(
+    cache_root: Path,
+) -> None:
+    """Threads load (recording use), store, change retention and collect expired extents of one
+    tenant at once; none fails. On PostgreSQL these transactions run side by side and lock the
+    same extent rows: they must queue, not deadlock."""
+    now = [1_800_000_000.0]
+    with tenantkv.open(cache_root, durable=False, clock=lambda: now[0]) as kv:
+        _run_side_by_side(kv, now)
+
+
+def _run_side_by_side(kv: TenantKV, now: list[float]) -> None:
+    kv.create_tenant("acme", quota_bytes=2**30, retention={"agent": "1h", "chat": "30d"})
+    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    kept = [random_tokens(128, seed=i) for i in range(4)]
+    for tokens in kept:  # loaded throughout; never expire or evicted
+        ns.store(tokens, random_layers(MLA_SMALL, 128), kind="chat")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    counts = dict.fromkeys(["load", "store", "update", "gc"], 0)
+
+    def repeat(name: str, action: Callable[[int], object]) -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                action(i)
+                counts[name] += 1
+                i += 1
+        except BaseException as err:
+            errors.append(err)
+            stop.set()
+
+    def load(i: int) -> None:
+        load_all(ns, kept[i % len(kept)])
+
+    seeds = itertools.count(1000)
+
+    def store(i: int) -> None:
+        tokens = random_tokens(64, seed=next(seeds))  # a new prefix each time
+        ns.store(tokens, random_layers(MLA_SMALL, 64), kind="agent")
+
+    def update(i: int) -> None:
+        kv.update_tenant("acme", retention={"agent": f"{1 + i % 2}h"})
+
+    def collect(i: int) -> None:
+        now[0] += 600
+        kv.gc(orphan_grace=10**9)
+
+    actions = {"load": load, "store": store, "update": update, "gc": collect}
+    threads = [
+        threading.Thread(target=repeat, args=(name, actions[name]))
+        for name in ["load", "load", "store", "store", "update", "update", "gc", "gc"]
+    ]
+    for thread in threads:
+        thread.start()
+    stop.wait(3.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert all(counts.values()), counts  # every kind of transaction ran
+    for tokens in kept:
+        assert ns.lookup(tokens) == 128

@@ -36,7 +36,8 @@ def purge(kv: TenantKV, caller: Caller, tenant: str, scope: str | None) -> Purge
     kv.check_open()
     pinned = kv.pinned_extents()
     with kv.db.write() as session:
-        tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
+        # The tenant's row first, like every change to its extents (see quota.lock_tenants).
+        tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant).with_for_update())
         if tenant_id is None:
             raise TenantNotFoundError(f"no tenant named {tenant!r}")
         query = select(Extent.id, Extent.size_bytes).where(Extent.tenant_id == tenant_id)
