@@ -135,7 +135,9 @@ class Database:
     @contextlib.contextmanager
     def read_connection(self) -> Iterator[Connection]:
         """A Core connection in one read transaction, for hot paths that need no ORM session
-        (a load's plan): its statements see one snapshot and it is rolled back on exit."""
+        (a load's plan); it is rolled back on exit. Its statements see one snapshot on SQLite;
+        on PostgreSQL (READ COMMITTED) each statement sees its own, so what must agree is read
+        in one statement (see plan_query.py)."""
         with self.engine.connect() as connection, connection.begin():
             yield connection
 
