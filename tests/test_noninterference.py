@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import tenantkv
 from tenantkv import BLOCK_TOKENS, Namespace, TenantKV
 from tenantkv.metering import FIELDS
+from tests.indexes import Index
 
 from .helpers import load_all, random_layers, random_tokens
 from .test_tenant_model import (
@@ -250,22 +251,24 @@ def first_difference(a: Trace, b: Trace) -> str:
 # ---- the property -------------------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("index")
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(schedule=schedules())
-def test_b_trace_does_not_depend_on_a(schedule: Schedule) -> None:
-    for slot in schedule:
-        note(f"{slot}")
-    baseline = trace_of_b(schedule, "removed")
-    for variant in ("op", "alternative"):
-        trace = trace_of_b(schedule, variant)
-        assert trace == baseline, f"A's ops ({variant}) changed B's trace at " + (
-            first_difference(baseline, trace)
-        )
+def test_b_trace_does_not_depend_on_a(index: Index) -> None:
+    @settings(
+        max_examples=index.examples(25),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(schedule=schedules())
+    def check(schedule: Schedule) -> None:
+        for slot in schedule:
+            note(f"{slot}")
+        baseline = trace_of_b(schedule, "removed")
+        for variant in ("op", "alternative"):
+            trace = trace_of_b(schedule, variant)
+            assert trace == baseline, f"A's ops ({variant}) changed B's trace at " + (
+                first_difference(baseline, trace)
+            )
+
+    check()
 
 
 # ---- the flood ----------------------------------------------------------------------------------

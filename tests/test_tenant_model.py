@@ -45,6 +45,7 @@ from hypothesis.stateful import (
 import tenantkv
 from tenantkv import BLOCK_TOKENS, Layer, Namespace, TenantKV
 from tenantkv.metering import FIELDS
+from tests.indexes import Index
 
 from .helpers import MLA_SMALL, load_all, random_layers, random_tokens
 
@@ -617,6 +618,10 @@ MACHINE_SETTINGS = settings(
 )
 
 
+def machine_settings(index: Index) -> settings:
+    return settings(MACHINE_SETTINGS, max_examples=index.examples(MACHINE_SETTINGS.max_examples))
+
+
 class RoomyMachine(TenantMachine):
     regime = ROOMY
 
@@ -625,16 +630,14 @@ class TightMachine(TenantMachine):
     regime = TIGHT
 
 
-@pytest.mark.usefixtures("index")
-def test_tenants_against_model_without_eviction() -> None:
+def test_tenants_against_model_without_eviction(index: Index) -> None:
     """Quotas far above what can be stored: stores, expiry, keys, deletion, GC, metering."""
-    run_state_machine_as_test(RoomyMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(RoomyMachine, settings=machine_settings(index))
 
 
-@pytest.mark.usefixtures("index")
-def test_tenants_against_model_with_eviction() -> None:
+def test_tenants_against_model_with_eviction(index: Index) -> None:
     """Quotas of a few extents: the same machine with quota eviction on most runs."""
-    run_state_machine_as_test(TightMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(TightMachine, settings=machine_settings(index))
 
 
 # ---- controls and targeted checks ---------------------------------------------------------------
