@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection
 
 from .index import extents, leases
 from .index.database import Database
+from .index.quota import lock_tenants
 from .storage import BlockStore, StorageError
 
 logger = logging.getLogger("tenantkv")
@@ -48,6 +49,9 @@ class ExtentRemover:
         Its bytes go at once even if loads hold leases on them: they fail to open for every
         reader alike, so there is nothing left to protect."""
         with self._db.write() as session:
+            tenant_id = extents.tenant_of(session, extent_id)
+            if tenant_id is not None:  # its tenant's row first, like every change to its extents
+                lock_tenants(session, [tenant_id])
             extents.delete_rows(session, [extent_id])
         self.delete_file(extent_id)
 

@@ -21,6 +21,9 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 MAX_RETENTION = 366 * 86400.0
+# A tenant's retention is stored as JSON text in a column of this many characters (models.py):
+# PostgreSQL refuses longer text where SQLite would keep it, so the limit is checked here.
+MAX_RETENTION_TEXT = 1024
 
 
 def parse_duration(value: Any) -> float:
@@ -60,7 +63,13 @@ def check_kind(kind: Any) -> str:
 
 
 def dumps(retention: Mapping[str, float]) -> str:
-    return json.dumps(dict(sorted(retention.items())), separators=(",", ":"))
+    text = json.dumps(dict(sorted(retention.items())), separators=(",", ":"))
+    if len(text) > MAX_RETENTION_TEXT:
+        raise InvalidRequestError(
+            f"retention of {len(retention)} classes takes {len(text)} characters, more than the "
+            f"{MAX_RETENTION_TEXT} a tenant may have; use fewer or shorter class names"
+        )
+    return text
 
 
 def loads(text: str) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """A second cache node for the fleet tests, run as its own process on the same root.
 
-``python -m tests.fleet_node ROOT SEED NUM_TOKENS``: opens the cache at ROOT, starts loading the
+``python -m tests.fleet_node ROOT DATABASE_URL SEED NUM_TOKENS``: opens the cache at ROOT (its
+index at DATABASE_URL, the one the test's node uses), starts loading the
 prefix made from SEED, prints ``leased`` once the load holds its lease and has delivered layer 0,
 waits for a line on stdin, then takes every layer, compares it with the stored KV, and prints
 one JSON line: whether every layer was exact, its security events, and the tenants whose clear
@@ -19,10 +20,10 @@ import tenantkv
 from .helpers import MLA_SMALL, layers_equal, random_layers, random_tokens
 
 
-def main(root: str, seed: int, num_tokens: int) -> None:
+def main(root: str, database_url: str, seed: int, num_tokens: int) -> None:
     tokens = random_tokens(num_tokens, seed=seed)
     expected = random_layers(MLA_SMALL, num_tokens, seed=seed)
-    with tenantkv.open(Path(root), durable=False) as kv:
+    with tenantkv.open(Path(root), durable=False, database_url=database_url) as kv:
         ns = kv.namespace("acme", model="fleet-model", layout=MLA_SMALL)
         with ns.load(tokens) as stream:
             first = stream.wait_for_layer(0)
@@ -49,4 +50,4 @@ def main(root: str, seed: int, num_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -2,9 +2,10 @@
 
 A prefix is stored whose KV memory holds recognisable canary byte patterns and whose token ids are
 a distinctive sequence; then every file under the cache root (extents, SQLite index with its WAL
-and shared-memory files, key file, temporary files) is scanned for those bytes. The scanner is
-checked against a file holding exactly the plaintext, and the cache must load the exact data back,
-so the scan cannot pass by looking at nothing or by the cache storing nothing.
+and shared-memory files, key file, temporary files) is scanned for those bytes. On PostgreSQL,
+whose files are the server's, every value of every row of the cache's schema is scanned instead.
+The scanner is checked against a file holding exactly the plaintext, and the cache must load the
+exact data back, so the scan cannot pass by looking at nothing or by the cache storing nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
+from tests.indexes import Index
 
 from .helpers import MHA_SMALL, MLA_SMALL, load_all
 
@@ -117,6 +119,19 @@ def all_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
+def stored_files(root: Path, index: Index) -> list[Path]:
+    """Every file under ``root`` and, on PostgreSQL, a file holding every value of every row of
+    the index (written beside the root, so it is not in it)."""
+    files = all_files(root)
+    if not index.is_sqlite:
+        rows = index.stored_bytes(index.url(root))
+        assert b"acme" in rows  # positive control: the dump holds the tenant's rows
+        dump = root.parent / f"{root.name}-index-rows.bin"
+        dump.write_bytes(rows)
+        files.append(dump)
+    return files
+
+
 def bytes_of(layer: tenantkv.Layer) -> bytes:
     if isinstance(layer, torch.Tensor):
         return layer.contiguous().view(torch.uint8).numpy().tobytes()
@@ -176,18 +191,18 @@ def test_scanner_finds_plaintext_canaries_and_tokens(tmp_path: Path) -> None:
 @pytest.mark.parametrize("layout", [MLA_SMALL, MHA_SMALL], ids=["mla", "mha"])
 @pytest.mark.parametrize("closed", [False, True], ids=["open-with-wal", "closed"])
 def test_no_kv_bytes_or_token_ids_at_rest(
-    kv: TenantKV, cache_root: Path, layout: KVLayout, closed: bool
+    kv: TenantKV, cache_root: Path, layout: KVLayout, closed: bool, index: Index
 ) -> None:
     _ns, _layers, patterns = _store_canaries(kv, layout)
     if closed:
         kv.close()
-    else:
+    elif index.is_sqlite:
         # Open: the latest index writes sit in the WAL; make sure the scan really covers it.
         wal = cache_root / "index.db-wal"
         assert wal.is_file() and wal.stat().st_size > 0
-    files = all_files(cache_root)
+    files = stored_files(cache_root, index)
     names = {p.name for p in files}
-    assert "index.db" in names
+    assert ("index.db" in names) == index.is_sqlite
     assert "master.key" in names
     extents = [p for p in files if p.suffix == ".tkx"]
     assert len(extents) == 1
@@ -199,7 +214,7 @@ def test_no_kv_bytes_or_token_ids_at_rest(
 
 
 def test_reopened_cache_loads_exact_data_and_files_stay_clean(
-    kv: TenantKV, cache_root: Path
+    kv: TenantKV, cache_root: Path, index: Index
 ) -> None:
     """After a close and reopen (WAL checkpointed into the DB) the data is intact and sealed."""
     _ns, layers, patterns = _store_canaries(kv, MLA_SMALL)
@@ -209,12 +224,14 @@ def test_reopened_cache_loads_exact_data_and_files_stay_clean(
         assert ns.lookup(TOKENS) == NUM_TOKENS
         loaded = load_all(ns, TOKENS)
         assert [bytes_of(x) for x in loaded] == [bytes_of(x) for x in layers]
-        files = all_files(cache_root)
+        files = stored_files(cache_root, index)
         needles = {"canary": canary_needles(patterns), **token_needles(TOKENS)}
         assert scan(files, needles) == []
 
 
-def test_key_material_is_private(cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_material_is_private(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch, index: Index
+) -> None:
     """The key file is 0600, extents are owner-only, and the master key appears nowhere else."""
     monkeypatch.delenv("TENANTKV_MASTER_KEY", raising=False)
     with tenantkv.open(cache_root, durable=False) as kv:
@@ -227,8 +244,8 @@ def test_key_material_is_private(cache_root: Path, monkeypatch: pytest.MonkeyPat
         needles = {"key-hex": {text.encode(), text.upper().encode()}, "key-raw": {raw}}
         # Positive control: the scanner finds the key in the key file itself.
         assert scan([key_file], needles) == [("master.key", "key-hex")]
-        others = [p for p in all_files(cache_root) if p != key_file]
-        assert any(p.name == "index.db" for p in others)
+        others = [p for p in stored_files(cache_root, index) if p != key_file]
+        assert any(p.name == "index.db" for p in others) == index.is_sqlite
         assert scan(others, needles) == []
         for extent in cache_root.rglob("*.tkx"):
             assert stat.S_IMODE(extent.stat().st_mode) & 0o077 == 0, oct(extent.stat().st_mode)

@@ -1,5 +1,6 @@
-"""The audit log against a real SQLite index and a real master key: chains, transactions,
-isolation between tenants' exports, SIEM formats, streaming, signing-key storage, retention.
+"""The audit log against a real index (SQLite and PostgreSQL) and a real master key: chains,
+transactions, isolation between tenants' exports, SIEM formats, streaming, signing-key storage,
+retention.
 
 Every check that something is absent has a positive control showing the same check finds it when
 it is there, so no test passes because it looked in the wrong place.
@@ -51,6 +52,7 @@ from tenantkv.audit import (
 )
 from tenantkv.crypto import KeyEncryptionKey, SealOpenError
 from tenantkv.index.database import Database
+from tests.indexes import Index
 
 
 class FakeClock:
@@ -67,8 +69,8 @@ class FakeClock:
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    database = Database(f"sqlite:///{tmp_path}/a.db")
+def db(tmp_path: Path, index: Index) -> Iterator[Database]:
+    database = Database(index.database_url(tmp_path / "a.db"))
     AuditBase.metadata.create_all(database.engine)
     try:
         yield database
@@ -498,7 +500,7 @@ def test_a_rewritten_chain_fails_against_an_earlier_stored_checkpoint(
 
 
 def test_signing_key_is_stored_wrapped_never_in_clear(
-    db: Database, log: AuditLog, kek: KeyEncryptionKey, tmp_path: Path
+    db: Database, log: AuditLog, kek: KeyEncryptionKey, index: Index
 ) -> None:
     append(db, log, event_for("acme"))
     with db.write() as session:
@@ -514,7 +516,7 @@ def test_signing_key_is_stored_wrapped_never_in_clear(
     with pytest.raises(SealOpenError):  # ...and no other key does
         KeyEncryptionKey(os.urandom(32)).unwrap(wrapped, SIGNING_KEY_CONTEXT)
     db.close()  # let SQLite fold the WAL back; scan every file it keeps either way
-    stored = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("a.db"))
+    stored = index.stored_bytes(db.url)
     assert private_raw not in stored and private_raw.hex().encode() not in stored
     assert public_raw in stored and wrapped in stored  # positive controls: the scan sees rows
 

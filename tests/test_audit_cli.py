@@ -1,7 +1,8 @@
 """``tenantkv audit export | public-key | verify`` round trips through real files.
 
 The parser is built here the way ``tenantkv.cli`` will build it: an ``ArgumentParser`` whose
-subcommands ``register`` extends. The cache is a real one (``tenantkv.open``: SQLite, key file).
+subcommands ``register`` extends. The cache is a real one (``tenantkv.open``: its index on each
+backend, key file).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tenantkv.audit import (
     AuditEvent,
 )
 from tenantkv.crypto import MASTER_KEY_ENV
+from tests.indexes import Index
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
 
@@ -35,7 +37,7 @@ def run(argv: list[str]) -> int:
 
 
 @pytest.fixture
-def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, index: Index) -> Iterator[Path]:
     """A cache with audit records for two tenants, a day apart."""
     monkeypatch.delenv(MASTER_KEY_ENV, raising=False)
     path = tmp_path / "cache"

@@ -7,17 +7,13 @@ PostgreSQL through ``SELECT ... FOR UPDATE`` on the chain's head row.
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import os
-import uuid
 from collections import Counter
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
-import pytest
 from sqlalchemy import select
-from sqlalchemy.exc import OperationalError
 
 from tenantkv.audit import (
     GENESIS_HASH,
@@ -31,9 +27,9 @@ from tenantkv.audit import (
 )
 from tenantkv.crypto import KeyEncryptionKey
 from tenantkv.index.database import Database
+from tests.indexes import Index
 
 APPENDS_PER_PROCESS = 40
-POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
 def append_many(url: str, master_key: bytes, tenant: str, actor: str, barrier: Barrier) -> None:
@@ -106,29 +102,5 @@ def run_two_appenders(url: str, tenant: str) -> None:
         db.close()
 
 
-def test_two_processes_append_to_one_chain_on_sqlite(tmp_path: Path) -> None:
-    run_two_appenders(f"sqlite:///{tmp_path}/a.db", "acme")
-
-
-def _postgres_skip_reason() -> str | None:
-    if importlib.util.find_spec("psycopg") is None:
-        return (
-            "psycopg (the PostgreSQL driver) is not installed in this environment, so the "
-            f"PostgreSQL variant against {POSTGRES_URL} cannot run"
-        )
-    probe = Database(POSTGRES_URL)
-    try:
-        with probe.engine.connect():
-            return None
-    except OperationalError as err:
-        return f"PostgreSQL at {POSTGRES_URL} is not reachable: {err}"
-    finally:
-        probe.close()
-
-
-def test_two_processes_append_to_one_chain_on_postgresql() -> None:
-    reason = _postgres_skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    # a fresh tenant per run: the shared database keeps other runs' chains
-    run_two_appenders(POSTGRES_URL, f"mp-{uuid.uuid4().hex[:12]}")
+def test_two_processes_append_to_one_chain(tmp_path: Path, index: Index) -> None:
+    run_two_appenders(index.database_url(tmp_path / "a.db"), "acme")

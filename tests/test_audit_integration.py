@@ -4,6 +4,8 @@ transactions, and the exports verify offline."""
 from __future__ import annotations
 
 import json
+import secrets
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import tenantkv
 from tenantkv import TenantKV
 from tenantkv.audit import verify_export
 from tenantkv.cli import main
+from tenantkv.crypto import KeyEncryptionKey
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 
 
@@ -38,6 +41,7 @@ def test_tenant_lifecycle_is_audited_and_verifies(kv: TenantKV) -> None:
     assert "tenant.delete" in _actions(kv, "acme")
 
 
+@pytest.mark.usefixtures("index")
 def test_a_refused_action_leaves_no_record(tmp_path: Path) -> None:
     with tenantkv.open(tmp_path / "c", durable=False, capacity_bytes=2**20) as kv:
         with pytest.raises(tenantkv.QuotaExceededError):
@@ -69,6 +73,7 @@ def test_security_events_are_audited(kv: TenantKV, cache_root: Path) -> None:
     assert "quota.refused" in actions and "segment.open_failed" in actions
 
 
+@pytest.mark.usefixtures("index")
 def test_gc_writes_usage_summaries_and_checkpoints(tmp_path: Path) -> None:
     now = [1_800_000_000.0]
     with tenantkv.open(tmp_path / "c", durable=False, clock=lambda: now[0]) as kv:
@@ -93,6 +98,7 @@ def test_gc_writes_usage_summaries_and_checkpoints(tmp_path: Path) -> None:
         assert _actions(kv, "acme").count("usage.summary") == 1
 
 
+@pytest.mark.usefixtures("index")
 def test_cli_audit_commands_are_wired(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "c"
     with tenantkv.open(root, durable=False) as kv:
@@ -104,3 +110,43 @@ def test_cli_audit_commands_are_wired(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["audit", "verify", str(export), "--public-key", str(key)]) == 0
     export.write_text(export.read_text().replace("tenant.create", "tenant.delete", 1))
     assert main(["audit", "verify", str(export), "--public-key", str(key)]) == 1
+
+
+@pytest.mark.usefixtures("index")
+def test_nodes_collecting_at_once_write_one_usage_summary(tmp_path: Path) -> None:
+    """Several nodes on one index run GC at the same moment: the minutes since the last summary
+    are summarised once, not once per node, and the chains still verify."""
+    now = [1_800_000_000.0]
+    key = KeyEncryptionKey(secrets.token_bytes(32))
+    nodes = [
+        tenantkv.open(tmp_path / "c", durable=False, clock=lambda: now[0], master_key=key)
+        for _ in range(4)
+    ]
+    try:
+        nodes[0].create_tenant("acme")
+        ns = nodes[0].namespace("acme", model="m", layout=MLA_SMALL)
+        tokens = random_tokens(128)
+        ns.store(tokens, random_layers(MLA_SMALL, 128))
+        nodes[0].context.meter.flush(nodes[0].context.index)
+        now[0] += 120
+        barrier = threading.Barrier(len(nodes))
+        errors: list[BaseException] = []
+
+        def collect(node: TenantKV) -> None:
+            try:
+                barrier.wait()
+                node.gc(orphan_grace=10**9)
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=collect, args=(node,)) for node in nodes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert _actions(nodes[0], "acme").count("usage.summary") == 1
+        _actions(nodes[0], None)  # the system chain verifies too
+    finally:
+        for node in nodes:
+            node.close()

@@ -521,6 +521,7 @@ def test_load_to_unknown_device_string(kv: TenantKV, mla: Namespace, device: str
 
 
 @pytest.mark.parametrize("suite", ["bogus", "aes-128-gcm", "", 99, -1])
+@pytest.mark.usefixtures("index")
 def test_open_with_bad_suite(tmp_path: Path, suite: Any) -> None:
     with pytest.raises(tenantkv.InvalidRequestError, match=r"(?i)suite") as caught:
         tenantkv.open(tmp_path / "cache", suite=suite, durable=False)

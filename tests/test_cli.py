@@ -6,30 +6,34 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tenantkv.cli import main
+from tenantkv.server.auth import hash_token
+from tests.indexes import Index
 
 
 def test_init_creates_index_and_private_key_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], index: Index
 ) -> None:
     root = tmp_path / "cache"
     assert main(["init", str(root)]) == 0
     out = capsys.readouterr().out
     assert "cache ready" in out and "schema_version" in out
-    assert (root / "index.db").exists()
+    assert (root / "index.db").exists() == index.is_sqlite  # on PostgreSQL it is the server's
     assert stat.S_IMODE((root / "master.key").stat().st_mode) == 0o600
     token = out.strip().splitlines()[-1].strip()
     assert "first operator token" in out and token.startswith("tkv_")
-    assert token.encode() not in (root / "index.db").read_bytes()  # stored only as a hash
+    stored = index.stored_bytes(index.url(root))
+    assert token.encode() not in stored  # stored only as a hash
+    assert hash_token(token).encode() in stored  # positive control: the scan sees the row
     assert main(["init", str(root)]) == 0
     assert "first operator token" not in capsys.readouterr().out  # shown once only
 
 
+@pytest.mark.usefixtures("index")
 def test_info_reports_what_the_cache_holds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -50,10 +54,10 @@ def test_info_on_a_missing_root_fails_clearly(
     assert "tenantkv init" in capsys.readouterr().err
 
 
-def test_walkthrough_runs_as_a_command_and_cleans_up(tmp_path: Path) -> None:
+def test_walkthrough_runs_as_a_command_and_cleans_up(tmp_path: Path, index: Index) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-m", "tenantkv.cli", "walkthrough", "--tokens", "320", "--layers", "3"],
+        index.cli("walkthrough", "--tokens", "320", "--layers", "3"),
         capture_output=True,
         text=True,
         env=env,
@@ -69,6 +73,7 @@ def test_walkthrough_runs_as_a_command_and_cleans_up(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [], "the scratch cache was not removed"
 
 
+@pytest.mark.usefixtures("index")
 def test_wrong_master_key_is_a_clear_cli_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

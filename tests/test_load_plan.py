@@ -59,6 +59,7 @@ def test_an_extent_of_another_geometry_is_a_miss(kv: TenantKV) -> None:
         ns.load(tokens)
 
 
+@pytest.mark.usefixtures("index")
 def test_an_expired_extent_is_a_miss_before_gc(tmp_path: Path) -> None:
     clock = _Clock()
     with tenantkv.open(tmp_path / "cache", durable=False, clock=clock) as kv:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 import tenantkv
 from tenantkv import BLOCK_TOKENS, Namespace, TenantKV
 from tenantkv.metering import FIELDS
+from tests.indexes import Index
 
 from .helpers import load_all, random_layers, random_tokens
 from .test_tenant_model import (
@@ -249,21 +251,24 @@ def first_difference(a: Trace, b: Trace) -> str:
 # ---- the property -------------------------------------------------------------------------------
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(schedule=schedules())
-def test_b_trace_does_not_depend_on_a(schedule: Schedule) -> None:
-    for slot in schedule:
-        note(f"{slot}")
-    baseline = trace_of_b(schedule, "removed")
-    for variant in ("op", "alternative"):
-        trace = trace_of_b(schedule, variant)
-        assert trace == baseline, f"A's ops ({variant}) changed B's trace at " + (
-            first_difference(baseline, trace)
-        )
+def test_b_trace_does_not_depend_on_a(index: Index) -> None:
+    @settings(
+        max_examples=index.examples(25),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(schedule=schedules())
+    def check(schedule: Schedule) -> None:
+        for slot in schedule:
+            note(f"{slot}")
+        baseline = trace_of_b(schedule, "removed")
+        for variant in ("op", "alternative"):
+            trace = trace_of_b(schedule, variant)
+            assert trace == baseline, f"A's ops ({variant}) changed B's trace at " + (
+                first_difference(baseline, trace)
+            )
+
+    check()
 
 
 # ---- the flood ----------------------------------------------------------------------------------
@@ -282,6 +287,7 @@ def flood_schedule(rounds: int = 8, per_round: int = 5) -> Schedule:
     return schedule
 
 
+@pytest.mark.usefixtures("index")
 def test_flood_does_not_evict_b() -> None:
     schedule = flood_schedule()
     baseline = trace_of_b(schedule, "removed")
@@ -298,6 +304,7 @@ def test_flood_does_not_evict_b() -> None:
     assert usage["hit_tokens"] == sum(lookups) + sum(loads)
 
 
+@pytest.mark.usefixtures("index")
 def test_flood_pressure_is_real() -> None:
     """Positive control for the flood: A really is over its quota, so its own oldest prefixes go,
     while its bytes stay within the quota."""
@@ -319,6 +326,7 @@ def test_flood_pressure_is_real() -> None:
 # ---- positive controls: no isolation, and the interference shows --------------------------------
 
 
+@pytest.mark.usefixtures("index")
 def test_shared_namespace_flood_does_interfere() -> None:
     """If "A" stores through B's namespace, its flood evicts B's prefixes: B's trace changes."""
     schedule = flood_schedule()
@@ -330,6 +338,7 @@ def test_shared_namespace_flood_does_interfere() -> None:
     assert 0 in lookups, "B's prefixes were evicted by the flood in its own namespace"
 
 
+@pytest.mark.usefixtures("index")
 def test_shared_namespace_store_does_interfere() -> None:
     """If "A" stores B's prefix through B's namespace first, B's own store then stores nothing;
     with separate namespaces (the same tokens in A's), B's store is unaffected."""
@@ -362,6 +371,7 @@ def test_comparison_sees_a_one_bit_change() -> None:
 # ---- regression: a stale handle of a deleted tenant must not break anyone's metering ------------
 
 
+@pytest.mark.usefixtures("index")
 def test_stale_handle_of_deleted_tenant_does_not_break_b_usage() -> None:
     """A server still holding a namespace handle of a deleted (and recreated) tenant A looks up
     through it; A's counters for the deleted tenant have nowhere to go, but B's usage must read as

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import tenantkv
 from tenantkv import TenantKV
-from tenantkv.crypto import MasterKeyError
+from tenantkv.crypto import KeyEncryptionKey, MasterKeyError
 from tenantkv.index.schema import Block, Extent
 from tests.helpers import MHA_SMALL, MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
 
@@ -108,3 +111,103 @@ def test_many_threads_store_and_load_different_tenants(kv: TenantKV) -> None:
         thread.join()
     assert not errors, errors
     assert kv.info()["blocks"] == 4 * 3
+
+
+def test_nodes_opening_a_new_index_at_once_all_open_it(cache_root: Path) -> None:
+    """Several nodes start together on one new index: one creates the tables and settings, the
+    others find them (no 'already exists' or duplicate-key failures), and all serve one cache."""
+    key = KeyEncryptionKey(secrets.token_bytes(32))
+    count = 4
+    barrier = threading.Barrier(count)
+    opened: list[TenantKV] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            barrier.wait()
+            opened.append(tenantkv.open(cache_root, durable=False, master_key=key))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=start) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not errors, errors
+        opened[0].create_tenant("acme")
+        assert all([t.name for t in node.list_tenants()] == ["acme"] for node in opened)
+        keys = set()
+        for node in opened:
+            with node.context.index.write() as session:
+                keys.add(node.context.audit.public_key_pem(session))
+        assert len(keys) == 1  # one audit signing key for the whole index
+    finally:
+        for node in opened:
+            node.close()
+
+
+def test_stores_loads_retention_changes_and_gc_of_one_tenant_run_side_by_side(
+    cache_root: Path,
+) -> None:
+    """Threads load (recording use), store, change retention and collect expired extents of one
+    tenant at once; none fails. On PostgreSQL these transactions run side by side and lock the
+    same extent rows: they must queue, not deadlock."""
+    now = [1_800_000_000.0]
+    with tenantkv.open(cache_root, durable=False, clock=lambda: now[0]) as kv:
+        _run_side_by_side(kv, now)
+
+
+def _run_side_by_side(kv: TenantKV, now: list[float]) -> None:
+    kv.create_tenant("acme", quota_bytes=2**30, retention={"agent": "1h", "chat": "30d"})
+    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    kept = [random_tokens(128, seed=i) for i in range(4)]
+    for tokens in kept:  # loaded throughout; never expire or evicted
+        ns.store(tokens, random_layers(MLA_SMALL, 128), kind="chat")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    counts = dict.fromkeys(["load", "store", "update", "gc"], 0)
+
+    def repeat(name: str, action: Callable[[int], object]) -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                action(i)
+                counts[name] += 1
+                i += 1
+        except BaseException as err:
+            errors.append(err)
+            stop.set()
+
+    def load(i: int) -> None:
+        load_all(ns, kept[i % len(kept)])
+
+    seeds = itertools.count(1000)
+
+    def store(i: int) -> None:
+        tokens = random_tokens(64, seed=next(seeds))  # a new prefix each time
+        ns.store(tokens, random_layers(MLA_SMALL, 64), kind="agent")
+
+    def update(i: int) -> None:
+        kv.update_tenant("acme", retention={"agent": f"{1 + i % 2}h"})
+
+    def collect(i: int) -> None:
+        now[0] += 600
+        kv.gc(orphan_grace=10**9)
+
+    actions = {"load": load, "store": store, "update": update, "gc": collect}
+    threads = [
+        threading.Thread(target=repeat, args=(name, actions[name]))
+        for name in ["load", "load", "store", "store", "update", "update", "gc", "gc"]
+    ]
+    for thread in threads:
+        thread.start()
+    stop.wait(3.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert all(counts.values()), counts  # every kind of transaction ran
+    for tokens in kept:
+        assert ns.lookup(tokens) == 128

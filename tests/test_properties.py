@@ -175,6 +175,7 @@ def new_namespace(kv: TenantKV, layout: KVLayout, scope: str | None = None) -> N
 # ---- (a) store then lookup / load round trip ----------------------------------------------------
 
 
+@pytest.mark.usefixtures("index")
 def test_store_lookup_load_roundtrip() -> None:
     with fresh_cache() as kv:
 
@@ -213,6 +214,7 @@ def test_store_lookup_load_roundtrip() -> None:
 # ---- (b) two sequences with a common prefix -----------------------------------------------------
 
 
+@pytest.mark.usefixtures("index")
 def test_lookup_of_sequence_sharing_a_prefix() -> None:
     with fresh_cache() as kv:
 
@@ -262,6 +264,7 @@ def test_lookup_of_sequence_sharing_a_prefix() -> None:
 # ---- (c) store returns exactly the newly stored full-block tokens -------------------------------
 
 
+@pytest.mark.usefixtures("index")
 def test_store_returns_new_full_block_tokens() -> None:
     with fresh_cache() as kv:
 
@@ -399,6 +402,7 @@ class NamespaceMachine(RuleBasedStateMachine):
                     self.spaces[other].load(tokens[:full])
 
 
+@pytest.mark.usefixtures("index")
 def test_namespaces_against_dict_model() -> None:
     with fresh_cache() as kv:
 

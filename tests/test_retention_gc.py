@@ -20,6 +20,7 @@ from tenantkv import CacheMissError, InvalidRequestError, TenantKV
 from tenantkv.cli import main
 from tenantkv.index.schema import Extent
 from tests.helpers import MLA_SMALL
+from tests.indexes import Index
 from tests.test_tenants import (
     BIG_QUOTA,
     CAPACITY,
@@ -456,7 +457,7 @@ def test_evictions_are_metered_in_the_scope_of_the_evicted_extent(
 
 
 @pytest.fixture(scope="module")
-def extent_bytes(tmp_path_factory: pytest.TempPathFactory) -> int:
+def extent_bytes(tmp_path_factory: pytest.TempPathFactory, index: Index) -> int:
     root = tmp_path_factory.mktemp("measure")
     with tenantkv.open(root, durable=False, capacity_bytes=CAPACITY) as kv:
         ns = new_tenant(kv, "probe")
@@ -491,6 +492,7 @@ def _scenario_for_a(root: Path, master_key: bytes, b_busy: bool) -> dict[str, in
         return kv.usage("a").counters
 
 
+@pytest.mark.usefixtures("index")
 def test_usage_of_one_tenant_never_includes_anothers(tmp_path: Path, master_key: bytes) -> None:
     idle = _scenario_for_a(tmp_path / "idle", master_key, b_busy=False)
     busy = _scenario_for_a(tmp_path / "busy", master_key, b_busy=True)

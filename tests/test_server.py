@@ -30,6 +30,7 @@ from tenantkv.server.auth import (
 )
 from tenantkv.server.settings import Settings
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
+from tests.indexes import Index
 
 
 class FakeClock:
@@ -56,7 +57,7 @@ def bearer(token: str) -> dict[str, str]:
 
 
 @pytest.fixture(name="api")
-def api_fixture(tmp_path: Path) -> Iterator[Api]:
+def api_fixture(tmp_path: Path, index: Index) -> Iterator[Api]:
     clock = FakeClock()
     kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**50, clock=clock)
     try:
@@ -345,6 +346,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.usefixtures("index")
 def test_real_uvicorn_server(tmp_path: Path) -> None:
     kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**40)
     port = _free_port()

@@ -17,6 +17,7 @@ from tests.helpers import (
     random_layers,
     random_tokens,
 )
+from tests.indexes import Index
 
 
 def _rows(layers: list[tenantkv.Layer], start: int, stop: int) -> list[tenantkv.Layer]:
@@ -106,32 +107,36 @@ def test_cached_length_is_not_metered_and_agrees_with_lookup(acme: TenantKV) -> 
     assert acme.usage("acme")["hit_tokens"] == before["hit_tokens"] + 256
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    first=st.integers(min_value=0, max_value=6),
-    start=st.integers(min_value=0, max_value=8),
-    total=st.integers(min_value=0, max_value=8),
-)
 def test_any_split_loads_the_same_bytes_as_one_store(
-    tmp_path_factory: pytest.TempPathFactory, first: int, start: int, total: int
+    tmp_path_factory: pytest.TempPathFactory, index: Index
 ) -> None:
     """Against the model "a block is cached iff some store had its rows": the cached prefix
     is the run of such blocks from 0, and every loaded byte equals the original."""
-    start = min(start, total)
-    root = tmp_path_factory.mktemp("split")
-    with tenantkv.open(root, durable=False) as kv:
-        kv.create_tenant("acme")
-        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
-        tokens = random_tokens(64 * 8, seed=12)
-        layers = random_layers(MLA_SMALL, 64 * 8, seed=13)
-        ns.store(tokens[: 64 * first], _rows(layers, 0, 64 * first))
-        ns.store(tokens[: 64 * total], _rows(layers, 64 * start, 64 * total), start=64 * start)
-        model = set(range(first)) | set(range(start, total))
-        expected = 0
-        while expected in model:
-            expected += 1
-        assert ns.lookup(tokens) == 64 * expected
-        if expected:
-            loaded = load_all(ns, tokens[: 64 * expected])
-            for got, want in zip(loaded, layers, strict=True):
-                assert layers_equal(got, prefix_of(want, 64 * expected))
+
+    @settings(max_examples=index.examples(25), deadline=None)
+    @given(
+        first=st.integers(min_value=0, max_value=6),
+        start=st.integers(min_value=0, max_value=8),
+        total=st.integers(min_value=0, max_value=8),
+    )
+    def check(first: int, start: int, total: int) -> None:
+        start = min(start, total)
+        root = tmp_path_factory.mktemp("split")
+        with tenantkv.open(root, durable=False) as kv:
+            kv.create_tenant("acme")
+            ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+            tokens = random_tokens(64 * 8, seed=12)
+            layers = random_layers(MLA_SMALL, 64 * 8, seed=13)
+            ns.store(tokens[: 64 * first], _rows(layers, 0, 64 * first))
+            ns.store(tokens[: 64 * total], _rows(layers, 64 * start, 64 * total), start=64 * start)
+            model = set(range(first)) | set(range(start, total))
+            expected = 0
+            while expected in model:
+                expected += 1
+            assert ns.lookup(tokens) == 64 * expected
+            if expected:
+                loaded = load_all(ns, tokens[: 64 * expected])
+                for got, want in zip(loaded, layers, strict=True):
+                    assert layers_equal(got, prefix_of(want, 64 * expected))
+
+    check()

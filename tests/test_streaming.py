@@ -16,6 +16,7 @@ import tenantkv
 from tenantkv import KVLayout, TenantKV
 from tenantkv import loader as loader_module
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
+from tests.indexes import Index
 
 MLA = KVLayout.mla(4, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)  # 8 KiB segments
 MHA = KVLayout.mha(3, num_kv_heads=2, head_dim=16, dtype=torch.float16)  # 8 KiB segments
@@ -46,7 +47,7 @@ def _threads_outside_pools(kv: TenantKV) -> int:
 
 
 @pytest.fixture
-def small_ring(tmp_path: Path) -> Iterator[TenantKV]:
+def small_ring(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
     """A cache whose ring holds 3 slots of 2 segments for 4 loader threads: layers split into
     chunks, and threads wait for slots."""
     cache = tenantkv.open(
@@ -224,6 +225,7 @@ def test_corruption_mid_stream_reports_delivered_layers_and_cleans_up(small_ring
     assert _open_fds() == fds
 
 
+@pytest.mark.usefixtures("index")
 def test_concurrent_loads_of_different_tenants_share_the_ring(tmp_path: Path) -> None:
     # Two slots for eight loader threads: concurrent loads must queue for the ring.
     slot = 2 * (SEGMENT + 64 * MLA.token_bytes)
@@ -275,7 +277,7 @@ def test_concurrent_loads_of_different_tenants_share_the_ring(tmp_path: Path) ->
 
 
 @pytest.fixture
-def two_threads(tmp_path: Path) -> Iterator[TenantKV]:
+def two_threads(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
     """A cache whose loader pool has as many threads as one load runs workers (2), and a ring
     of 2-segment slots, so every layer is several chunks."""
     cache = tenantkv.open(
@@ -397,6 +399,7 @@ def test_prefetch_reports_the_cached_prefix_and_loads_follow(kv: TenantKV) -> No
         assert layers_equal(got, prefix_of(want, 5 * 64))
 
 
+@pytest.mark.usefixtures("index")
 def test_closing_the_cache_closes_open_streams(tmp_path: Path) -> None:
     kv = tenantkv.open(tmp_path / "cache", durable=False)
     kv.create_tenant("acme")

@@ -45,6 +45,7 @@ from hypothesis.stateful import (
 import tenantkv
 from tenantkv import BLOCK_TOKENS, Layer, Namespace, TenantKV
 from tenantkv.metering import FIELDS
+from tests.indexes import Index
 
 from .helpers import MLA_SMALL, load_all, random_layers, random_tokens
 
@@ -617,6 +618,10 @@ MACHINE_SETTINGS = settings(
 )
 
 
+def machine_settings(index: Index) -> settings:
+    return settings(MACHINE_SETTINGS, max_examples=index.examples(MACHINE_SETTINGS.max_examples))
+
+
 class RoomyMachine(TenantMachine):
     regime = ROOMY
 
@@ -625,19 +630,20 @@ class TightMachine(TenantMachine):
     regime = TIGHT
 
 
-def test_tenants_against_model_without_eviction() -> None:
+def test_tenants_against_model_without_eviction(index: Index) -> None:
     """Quotas far above what can be stored: stores, expiry, keys, deletion, GC, metering."""
-    run_state_machine_as_test(RoomyMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(RoomyMachine, settings=machine_settings(index))
 
 
-def test_tenants_against_model_with_eviction() -> None:
+def test_tenants_against_model_with_eviction(index: Index) -> None:
     """Quotas of a few extents: the same machine with quota eviction on most runs."""
-    run_state_machine_as_test(TightMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(TightMachine, settings=machine_settings(index))
 
 
 # ---- controls and targeted checks ---------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("index")
 @settings(max_examples=1, deadline=None, database=None)
 @given(st.none())
 def test_machine_has_power(_: None) -> None:
@@ -664,6 +670,7 @@ def make_cache(root: str, clock: FakeClock, capacity: int) -> TenantKV:
     return tenantkv.open(root, durable=False, workers=2, capacity_bytes=capacity, clock=clock)
 
 
+@pytest.mark.usefixtures("index")
 def test_quota_eviction_completes(tmp_path: Any) -> None:
     """A store over the quota evicts the least recently used extent, meters it, removes its file
     and returns normally. (Regression: eviction used to raise TypeError in
@@ -682,6 +689,7 @@ def test_quota_eviction_completes(tmp_path: Any) -> None:
         assert len(list(kv.context.blocks.list())) == 2
 
 
+@pytest.mark.usefixtures("index")
 def test_restore_of_expired_prefix_before_gc(tmp_path: Any) -> None:
     """An expired prefix is a miss at once, and storing it again caches it again, before GC."""
     clock = FakeClock()
@@ -697,6 +705,7 @@ def test_restore_of_expired_prefix_before_gc(tmp_path: Any) -> None:
         assert (stored, ns.lookup(tokens)) == (len(tokens), len(tokens))
 
 
+@pytest.mark.usefixtures("index")
 def test_gc_does_not_warn_about_extents_it_collected(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,8 +1,8 @@
 """Tenants: lifecycle, bad input, capacity and overcommit, quota eviction, keys, crypto-shredding.
 
-Every test runs a real cache (SQLite index, local extent files, a master key) with a fake clock.
-Sizes are measured (one 64-token store of ``MLA_SMALL`` is one extent of ``extent_bytes``), not
-hard-coded. Retention, GC and metering are in ``test_retention_gc.py``.
+Every test runs a real cache (SQLite or PostgreSQL index, local extent files, a master key) with
+a fake clock. Sizes are measured (one 64-token store of ``MLA_SMALL`` is one extent of
+``extent_bytes``), not hard-coded. Retention, GC and metering are in ``test_retention_gc.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from tenantkv.index.schema import Block, DataKey, Extent, Tenant, Usage
 from tenantkv.index.schema import Namespace as NamespaceRow
 from tenantkv.keyring import data_key_context
 from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+from tests.indexes import Index
 
 CAPACITY = 2**30
 BIG_QUOTA = 2**24
@@ -112,7 +114,7 @@ def cache(cache_root: Path, clock: FakeClock, master_key: bytes) -> Iterator[Ten
 
 
 @pytest.fixture(scope="module")
-def extent_bytes(tmp_path_factory: pytest.TempPathFactory) -> int:
+def extent_bytes(tmp_path_factory: pytest.TempPathFactory, index: Index) -> int:
     """What one 64-token store of MLA_SMALL takes in the store, measured."""
     root = tmp_path_factory.mktemp("measure")
     with tenantkv.open(root, durable=False, capacity_bytes=CAPACITY) as kv:
@@ -350,6 +352,21 @@ def test_bad_retention_class_name_is_refused(cache: TenantKV, kind: Any) -> None
     assert ok.retention is not None and ok.retention["a" * 64] == 86400.0
 
 
+def test_retention_with_more_classes_than_the_index_holds_is_refused(cache: TenantKV) -> None:
+    """A tenant's retention is kept as text of at most 1024 characters (PostgreSQL enforces the
+    column's length; SQLite would not): more classes are refused the same way on every index."""
+    classes = {f"class-{i:02d}-" + "x" * 50: "1d" for i in range(20)}  # ~1400 characters
+    with pytest.raises(InvalidRequestError, match="retention"):
+        cache.create_tenant("acme", quota_bytes=BIG_QUOTA, retention=classes)
+    assert cache.list_tenants() == []
+    first = dict(list(classes.items())[:10])
+    before = cache.create_tenant("acme", quota_bytes=BIG_QUOTA, retention=first)  # control
+    assert before.retention is not None and len(before.retention) == 12
+    with pytest.raises(InvalidRequestError, match="retention"):  # the classes add up
+        cache.update_tenant("acme", retention=dict(list(classes.items())[10:]))
+    assert cache.get_tenant("acme") == before
+
+
 @pytest.mark.parametrize("retention", [["agent"], "3d", 3, {"agent": "3d"}.items()], ids=repr)
 def test_retention_that_is_not_a_mapping_is_refused(cache: TenantKV, retention: Any) -> None:
     with pytest.raises(InvalidRequestError):
@@ -416,6 +433,52 @@ def test_quotas_may_not_exceed_capacity(
         assert kv.update_tenant("a", quota_bytes=900).quota_bytes == 900
         assert "overcommit_changed" not in kv.security_events()
         assert kv.info()["capacity_bytes"] == 1000 and kv.info()["allow_overcommit"] is False
+
+
+def test_concurrent_quota_changes_never_reserve_more_than_the_capacity(
+    cache_root: Path, clock: FakeClock, master_key: bytes
+) -> None:
+    """Two nodes sharing one index create tenants, then raise quotas, all at once. SQLite runs
+    their transactions one at a time; PostgreSQL runs them side by side, and must still let
+    only what fits through."""
+    nodes = [open_cache(cache_root, clock, master_key, capacity_bytes=1000) for _ in range(2)]
+    try:
+
+        def at_once(calls: list[Callable[[], object]]) -> list[str]:
+            barrier = threading.Barrier(len(calls))
+            outcomes: list[str] = []
+
+            def run(call: Callable[[], object]) -> None:
+                barrier.wait()
+                try:
+                    call()
+                    outcomes.append("done")
+                except QuotaExceededError:
+                    outcomes.append("refused")
+                except BaseException as err:
+                    outcomes.append(repr(err))
+
+            threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            return sorted(outcomes)
+
+        creates = [
+            lambda i=i: nodes[i % 2].create_tenant(f"t{i}", quota_bytes=300) for i in range(8)
+        ]
+        assert at_once(creates) == ["done"] * 3 + ["refused"] * 5
+        names = [t.name for t in nodes[0].list_tenants()]
+        raises = [
+            lambda i=i, name=name: nodes[i % 2].update_tenant(name, quota_bytes=400)
+            for i, name in enumerate(names)
+        ]
+        assert at_once(raises) == ["done"] + ["refused"] * 2  # 900 + 100 = 1000 fits once
+        assert sum(t.quota_bytes for t in nodes[1].list_tenants()) == 1000
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_overcommit_is_opt_in_audited_and_persists(
@@ -948,8 +1011,11 @@ def test_a_stale_handle_of_a_deleted_tenant_does_not_break_metering(cache: Tenan
 
 
 def test_no_copy_of_a_deleted_tenants_wrapped_key_stays_on_disk(
-    cache: TenantKV, cache_root: Path
+    cache: TenantKV, cache_root: Path, index: Index
 ) -> None:
+    """On SQLite every file under the root is scanned (index, WAL, extents). A PostgreSQL
+    server's files are out of reach: there every row of the index is scanned, which shows the
+    deletion is complete but says nothing of dead tuples or WAL segments on the server."""
     ns = new_tenant(cache, "gone")
     p = prefix(140)
     ns.store(p.tokens, p.layers)
@@ -957,8 +1023,13 @@ def test_no_copy_of_a_deleted_tenants_wrapped_key_stays_on_disk(
     with cache.context.index.read() as session:
         wrapped = session.scalar(select(DataKey.wrapped_key).where(DataKey.tenant_id == tid))
     assert wrapped is not None
-    files = [f for f in cache_root.rglob("*") if f.is_file()]
-    assert any(wrapped in f.read_bytes() for f in files)  # positive control: the scan finds it
+
+    def holding() -> list[str]:
+        places = {str(f): f.read_bytes() for f in cache_root.rglob("*") if f.is_file()}
+        if not index.is_sqlite:
+            places["index rows"] = index.stored_bytes(cache.context.index.url)
+        return [name for name, data in places.items() if wrapped in data]
+
+    assert holding()  # positive control: the scan finds it
     cache.delete_tenant("gone")
-    holding = [f.name for f in cache_root.rglob("*") if f.is_file() and wrapped in f.read_bytes()]
-    assert holding == []
+    assert holding() == []

@@ -19,9 +19,13 @@ class Capacity:
     allow_overcommit: bool
 
 
-def read(session: Session) -> Capacity | None:
-    """The stored capacity, or None before the index was first opened."""
-    capacity = session.get(SchemaInfo, _CAPACITY)
+def read(session: Session, *, lock: bool = False) -> Capacity | None:
+    """The stored capacity, or None before the index was first opened.
+
+    With ``lock`` the capacity row is locked for the transaction: every quota or capacity
+    change takes it, so on PostgreSQL two of them cannot each miss the other's reservation and
+    together overcommit the store (SQLite runs write transactions one at a time anyway)."""
+    capacity = session.get(SchemaInfo, _CAPACITY, with_for_update=lock)
     if capacity is None:
         return None
     overcommit = session.get(SchemaInfo, _OVERCOMMIT)

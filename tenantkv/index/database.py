@@ -9,10 +9,12 @@ lookups never wait on writers (WAL lets readers run beside one writer).
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, select
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -21,6 +23,24 @@ from .schema import Base, SchemaInfo
 
 SCHEMA_VERSION = "1"
 _IMMEDIATE = "tenantkv_immediate"
+# PostgreSQL advisory locks, named per schema: "open" is held while a process creates or checks
+# the index's tables and settings on opening, "ddl" while it creates tables; take_turns() names
+# others.
+_ADVISORY = "SELECT pg_advisory_{}(hashtext('tenantkv.{}:' || current_schema()))"
+
+
+def _enable_wal(cursor: Any, timeout: float = 30.0) -> None:
+    """Switch to WAL mode. On a new database file that takes a lock for which SQLite does not
+    wait (busy_timeout does not apply), so connections opening a new index together retry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -28,7 +48,7 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
@@ -55,9 +75,48 @@ class Database:
         self._write_engine = self.engine.execution_options(**{_IMMEDIATE: True})
         self.dialect = self.engine.dialect.name
 
+    def create_tables(self, *metadata: MetaData) -> None:
+        """Create the missing tables of ``metadata``, one process at a time.
+
+        Processes starting together on a new index would otherwise each find a table missing
+        and create it: SQLite fails the deferred transaction that read first at once (BUSY,
+        hence an immediate one here); on PostgreSQL the second CREATE TABLE fails with a
+        duplicate key of pg_type (hence a lock per schema, released at commit).
+        """
+        with self.write_connection() as connection:
+            self.take_turns(connection, "ddl")
+            for each in metadata:
+                each.create_all(connection)
+
+    def take_turns(self, transaction: Session | Connection, name: str) -> None:
+        """Wait for, and until the end of ``transaction`` exclude, every other write transaction
+        that takes turns on ``name``. SQLite runs write transactions one at a time anyway; on
+        PostgreSQL, where they run side by side, this is an advisory lock of the schema."""
+        if self.dialect == "postgresql":
+            transaction.execute(text(_ADVISORY.format("xact_lock", name)))
+
+    @contextlib.contextmanager
+    def opening(self) -> Iterator[None]:
+        """Hold while opening: processes starting together on one index check or create its
+        settings (schema version, master-key check, capacity) one after another.
+
+        SQLite's write transactions are exclusive already; on PostgreSQL two processes could
+        both find a setting missing and insert it, and one would fail on the duplicate key.
+        """
+        if self.dialect != "postgresql":
+            yield
+            return
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql(_ADVISORY.format("lock", "open"))
+            connection.commit()
+            try:
+                yield
+            finally:
+                connection.exec_driver_sql(_ADVISORY.format("unlock", "open"))
+                connection.commit()
+
     def create_schema(self) -> None:
-        Base.metadata.create_all(self.engine)
-        AuditBase.metadata.create_all(self.engine)
+        self.create_tables(Base.metadata, AuditBase.metadata)
         with self.write() as session:
             row = session.get(SchemaInfo, "schema_version")
             if row is None:
@@ -76,7 +135,9 @@ class Database:
     @contextlib.contextmanager
     def read_connection(self) -> Iterator[Connection]:
         """A Core connection in one read transaction, for hot paths that need no ORM session
-        (a load's plan): its statements see one snapshot and it is rolled back on exit."""
+        (a load's plan); it is rolled back on exit. Its statements see one snapshot on SQLite;
+        on PostgreSQL (READ COMMITTED) each statement sees its own, so what must agree is read
+        in one statement (see plan_query.py)."""
         with self.engine.connect() as connection, connection.begin():
             yield connection
 

@@ -29,6 +29,10 @@ def delete_rows(session: Session, extent_ids: Collection[str]) -> None:
         session.execute(delete(Extent).where(Extent.id.in_(batch)))
 
 
+def tenant_of(session: Session, extent_id: str) -> bytes | None:
+    return session.scalar(select(Extent.tenant_id).where(Extent.id == extent_id))
+
+
 def indexed(session: Session, extent_ids: Collection[str]) -> set[str]:
     """Which of ``extent_ids`` still have an extent row."""
     ids = list(extent_ids)

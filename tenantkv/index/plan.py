@@ -158,7 +158,11 @@ def locate_blocks(
     return located, extents
 
 
-_RETENTION = select(Tenant.retention).where(Tenant.id == bindparam("tenant_id"))
+# FOR SHARE: recording use waits for the transactions that change the tenant's extents (they
+# lock its row first, see quota.lock_tenants) instead of deadlocking with them on PostgreSQL.
+_RETENTION = (
+    select(Tenant.retention).where(Tenant.id == bindparam("tenant_id")).with_for_update(read=True)
+)
 _TOUCH = (
     update(Extent)
     .where(Extent.id.in_(bindparam("ids", expanding=True)), Extent.kind == bindparam("of_kind"))

@@ -12,6 +12,7 @@ holds the later blocks of a prefix, so shorter prefixes stay usable.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
@@ -28,6 +29,23 @@ class Evicted:
     namespace_id: bytes
     size_bytes: int
     expired: bool
+
+
+def lock_tenants(session: Session, tenant_ids: Collection[bytes]) -> None:
+    """Lock the rows of these tenants, in id order, before changing any of their extents.
+
+    Every transaction that adds, deletes or updates a tenant's extents (stores, evictions,
+    quota and retention changes, GC, purges, re-sealing, recording use) takes its tenant's row
+    first, so on PostgreSQL, where they run side by side, they queue on that row instead of
+    deadlocking on extent and block rows locked in different orders. SQLite's write
+    transactions are exclusive; its SQL has no FOR UPDATE.
+    """
+    session.execute(
+        select(Tenant.id)
+        .where(Tenant.id.in_(sorted(tenant_ids)))
+        .order_by(Tenant.id)
+        .with_for_update()
+    )
 
 
 def tenant_bytes(session: Session, tenant_id: bytes) -> int:

@@ -22,8 +22,11 @@ def get(session: Session, tenant_id: bytes) -> Tenant | None:
     return session.get(Tenant, tenant_id)
 
 
-def id_of(session: Session, name: str) -> bytes | None:
-    return session.scalar(select(Tenant.id).where(Tenant.name == name))
+def id_of(session: Session, name: str, *, lock: bool = False) -> bytes | None:
+    query = select(Tenant.id).where(Tenant.name == name)
+    if lock:
+        query = query.with_for_update()
+    return session.scalar(query)
 
 
 def all_by_name(session: Session) -> list[Tenant]:

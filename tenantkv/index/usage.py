@@ -31,11 +31,19 @@ def add(
     """Add counters to their buckets with additive upserts, so flushes from several processes
     or nodes sum up instead of overwriting each other."""
     # Counters of a tenant deleted meanwhile (a stale handle, a load that outlived the tenant)
-    # have nowhere to go and must not block everyone else's.
+    # have nowhere to go and must not block everyone else's. The tenant rows are locked first
+    # (KEY SHARE, as the usage rows' foreign key would) and counters added in one order, so
+    # that on PostgreSQL the flushes of several nodes and a tenant's deletion queue instead of
+    # deadlocking on usage rows.
     live = set(
-        session.scalars(select(Tenant.id).where(Tenant.id.in_({key[0] for key in pending}))).all()
+        session.scalars(
+            select(Tenant.id)
+            .where(Tenant.id.in_({key[0] for key in pending}))
+            .order_by(Tenant.id)
+            .with_for_update(key_share=True)
+        ).all()
     )
-    for (tenant_id, scope, bucket), counter in pending.items():
+    for (tenant_id, scope, bucket), counter in sorted(pending.items()):
         if tenant_id not in live:
             continue
         values: dict[str, Any] = {name: counter.get(name, 0) for name in FIELDS}

@@ -83,7 +83,7 @@ class AuthError(Exception):
 
 def ensure_schema(kv: TenantKV) -> None:
     """Create the admin API's tables next to the cache's (idempotent)."""
-    api_tokens.create_schema(kv.context.index.engine)
+    kv.context.index.create_tables(api_tokens.ServerBase.metadata)
 
 
 def hash_token(token: str) -> str:

@@ -19,7 +19,7 @@ def init_capacity(ctx: CacheContext) -> None:
     """On the index's first open: the capacity is the size of the file system holding the
     root, without overcommit (recorded like any change of it)."""
     with ctx.index.write() as session:
-        if capacity.read(session) is not None:
+        if capacity.read(session, lock=True) is not None:
             return
         initial = capacity.Capacity(shutil.disk_usage(ctx.config.root).total, False)
         capacity.write(session, initial)
@@ -45,7 +45,7 @@ def set_capacity(
     if allow_overcommit is not None and not isinstance(allow_overcommit, bool):
         raise InvalidRequestError("allow_overcommit must be a boolean")
     with ctx.index.write() as session:
-        stored = capacity.read(session)
+        stored = capacity.read(session, lock=True)
         assert stored is not None, "the capacity is set when the index is first opened"
         new = capacity.Capacity(
             stored.capacity_bytes if capacity_bytes is None else capacity_bytes,

@@ -22,6 +22,7 @@ from ..audit import USAGE_SUMMARY, chain_for
 from ..context import CacheContext
 from ..index import extents, leases, settings
 from ..index import tenants as tenant_rows
+from ..index.quota import lock_tenants
 from ..metering import BUCKET_SECONDS, read_usage
 from ..storage import StorageError
 
@@ -55,6 +56,7 @@ def collect(
         batch = expired[start : start + _BATCH]
         ids = [row.id for row in batch]
         with ctx.index.write() as session:  # index first ...
+            lock_tenants(session, {row.tenant_id for row in batch})
             extents.delete_rows(session, ids)
         ctx.remover.remove_bytes(ids)  # ... bytes second
         for row in batch:
@@ -86,6 +88,9 @@ def _audit_maintenance(ctx: CacheContext, now: float) -> None:
     each chain that grew, and the purge of audit records past their own retention."""
     until = float(int(now // BUCKET_SECONDS) * BUCKET_SECONDS)
     with ctx.index.write() as session:
+        # Nodes collecting at once take turns, so that each reads the mark the one before it
+        # left (on PostgreSQL they would all read the old mark and each summarise the minutes).
+        ctx.index.take_turns(session, "audit-maintenance")
         mark = settings.get(session, settings.USAGE_SUMMARY_MARK)
         since = float(mark) if mark is not None else None
         chains = ["system"]

@@ -33,7 +33,8 @@ def purge(ctx: CacheContext, by: Attribution, tenant: str, scope: str | None) ->
     scope); raise TenantNotFoundError if there is no such tenant."""
     ctx.runtime.check_open()
     with ctx.index.write() as session:
-        tenant_id = tenant_rows.id_of(session, tenant)
+        # The tenant's row first, like every change to its extents (see quota.lock_tenants).
+        tenant_id = tenant_rows.id_of(session, tenant, lock=True)
         if tenant_id is None:
             raise TenantNotFoundError(f"no tenant named {tenant!r}")
         rows = extents.of_tenant(session, tenant_id, scope)

@@ -21,6 +21,7 @@ from ..errors import TenantNotFoundError
 from ..extent_format import ExtentGeometry
 from ..index import counters, extents, leases
 from ..index import tenants as tenant_rows
+from ..index.quota import lock_tenants
 from ..index.schema import Extent
 from ..storage import StorageError
 
@@ -128,6 +129,7 @@ def _reseal_one(ctx: CacheContext, extent: Extent, new_key: bytes, version: int)
                 last_used_at=extent.last_used_at,
                 expires_at=extent.expires_at,
             )
+            lock_tenants(session, [extent.tenant_id])
             extents.switch_over(session, extent, replacement, [key for key, _ in blocks])
     except BaseException:
         ctx.blocks.delete(new_id)

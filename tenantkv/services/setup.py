@@ -14,11 +14,13 @@ _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
 def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
     """Create the schema, check the master key, make the audit signing key and the initial
     capacity, and read the key epoch."""
-    ctx.index.create_schema()
-    check_master_key(ctx, wrapper)
-    with ctx.index.write() as session:
-        ctx.audit.ensure_signing_key(session)
-    init_capacity(ctx)
+    # Nodes starting together on one index check or create its settings one after another.
+    with ctx.index.opening():
+        ctx.index.create_schema()
+        check_master_key(ctx, wrapper)
+        with ctx.index.write() as session:
+            ctx.audit.ensure_signing_key(session)
+        init_capacity(ctx)
     ctx.key_epoch.check()
 
 

@@ -84,7 +84,7 @@ def _check_capacity(
     ctx: CacheContext, session: Session, quota: int, tenant_id: bytes | None
 ) -> None:
     """Quotas reserve capacity: refuse a quota that would overcommit the store."""
-    store = capacity.read(session)
+    store = capacity.read(session, lock=True)  # quota changes take turns on the capacity
     assert store is not None, "the capacity is set when the index is first opened"
     if store.allow_overcommit:
         return
