@@ -19,13 +19,13 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from .api import TenantKV
 from .audit import (
     AUDIT_EXPORT,
     EXPORT_FORMATS,
     ROLE_OPERATOR,
-    AuditBase,
     AuditError,
     AuditEvent,
     AuditLog,
@@ -59,13 +59,9 @@ def _actor() -> str:
         return f"cli:uid-{os.getuid()}"
 
 
-def audit_log_of(kv: Any) -> AuditLog:
-    """The cache's audit log, or one built on its master key until the cache carries one."""
-    log = getattr(kv, "audit", None)
-    if isinstance(log, AuditLog):
-        return log
-    AuditBase.metadata.create_all(kv.context.index.engine)
-    return AuditLog(kv.context.keys._wrapper, clock=kv.context.clock)
+def audit_log_of(kv: TenantKV) -> AuditLog:
+    """The cache's audit log (built once with its other components)."""
+    return kv.context.audit
 
 
 @contextlib.contextmanager
