@@ -15,6 +15,7 @@ so a 64-token block of one layer is a fixed-size segment.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,17 +74,19 @@ class KVLayout:
             names = ", ".join(SUPPORTED_DTYPES.values())
             raise InvalidRequestError(f"dtype {dtype} is not supported; use one of {names}")
 
-    @property
+    # Cached: the loader asks for these per chunk. (A frozen dataclass without slots keeps a
+    # cached_property's value in the instance dict; fields, equality and hashing are unchanged.)
+    @functools.cached_property
     def strategy(self) -> LayoutKind:
         """The registered kind that knows this layout's shapes."""
         return layout_kind(self.kind)
 
-    @property
+    @functools.cached_property
     def values_per_token(self) -> int:
         """Values of one token in one layer."""
         return self.strategy.values_per_token(self)
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
         """Bytes of one token in one layer."""
         return self.values_per_token * self.dtype.itemsize

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Connection, delete, select, update
 from sqlalchemy.orm import Session
 
 from .schema import Block, Extent, Namespace
@@ -33,13 +33,14 @@ def tenant_of(session: Session, extent_id: str) -> bytes | None:
     return session.scalar(select(Extent.tenant_id).where(Extent.id == extent_id))
 
 
-def indexed(session: Session, extent_ids: Collection[str]) -> set[str]:
+def indexed(executor: Session | Connection, extent_ids: Collection[str]) -> set[str]:
     """Which of ``extent_ids`` still have an extent row."""
     ids = list(extent_ids)
     found: set[str] = set()
     for start in range(0, len(ids), CHUNK):
         batch = ids[start : start + CHUNK]
-        found.update(session.scalars(select(Extent.id).where(Extent.id.in_(batch))).all())
+        rows = executor.execute(select(Extent.id).where(Extent.id.in_(batch))).scalars()
+        found.update(str(row) for row in rows)
     return found
 
 

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..extent_format import ExtentGeometry
 from ..health import LOST_EXTENTS
-from ..index import blocks, namespaces
+from ..index import blocks, extents, namespaces
 from ..index.plan import ExtentRow, locate_blocks, record_use
 from ..index.quota import Evicted, make_room
 from ..index.schema import Extent
@@ -562,7 +562,7 @@ class Namespace:
         version still exists and whose geometry matches this namespace's layout.
         """
         located: dict[bytes, tuple[str, int]] = {}
-        extents: dict[str, ExtentRow] = {}
+        rows_by_extent: dict[str, ExtentRow] = {}
         identity = self.identity
         now = self._ctx.clock()
         for start in range(0, len(keys), _QUERY_CHUNK):
@@ -575,7 +575,7 @@ class Namespace:
                 now=now,
             )
             located.update(found)
-            extents.update(rows)
+            rows_by_extent.update(rows)
             if len(found) < len(chunk):
                 break
         cached = self._run_from_zero(keys, located)
@@ -584,7 +584,9 @@ class Namespace:
                 f"only {cached * self.block_tokens} of {len(keys) * self.block_tokens} tokens "
                 "are cached"
             )
-        planned = {extent_id: self._planned_extent(row) for extent_id, row in extents.items()}
+        planned = {
+            extent_id: self._planned_extent(row) for extent_id, row in rows_by_extent.items()
+        }
         return group_runs([(key, planned[located[key][0]], located[key][1]) for key in keys])
 
     def _planned_extent(self, row: ExtentRow) -> PlannedExtent:
@@ -623,9 +625,12 @@ class Namespace:
         try:
             with self._ctx.index.write_connection() as connection:
                 record_use(connection, self.identity.tenant_id, extent_ids, now)
+                gone = set(extent_ids) - extents.indexed(connection, extent_ids)
         except SQLAlchemyError as err:
             logger.warning("could not record extent use: %s", err)
-        self._ctx.leases.remove_unindexed(extent_ids)
+            return  # bytes of extents that left the index are the orphan sweep's then
+        if gone:
+            self._ctx.remover.remove_bytes(gone)
 
     def _meter(self, **counts: int) -> None:
         self._ctx.meter.add(self.identity.tenant_id, self.scope or "", self._ctx.clock(), **counts)
