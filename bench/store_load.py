@@ -497,7 +497,7 @@ def bench_tenantkv(
             # Untimed, like the raw baseline's unlink after each rep: every rep writes into a
             # page cache in the same state instead of on top of the previous reps' files.
             for extent_id in set(kv.context.blocks.list()) - kept:
-                kv.drop_extent(extent_id)
+                kv.context.remover.drop_now(extent_id)
 
         store_secs = repeat(
             store_once, reps, before=lambda _: pending.append(fresh_prefix()), after=drop_stored

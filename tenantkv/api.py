@@ -27,7 +27,7 @@ from .context import CacheContext, build_context
 from .coordination import CoordinationThread
 from .crypto import KeyEncryptionKey, KeyWrapper, default_master_key_provider
 from .errors import CacheUnavailableError, InvalidRequestError, MasterKeyError
-from .index import leases, stats
+from .index import stats
 from .index.database import Database
 from .layout import KVLayout
 from .metering import UsageReport
@@ -272,7 +272,7 @@ class TenantKV:
         """Extents some node's running load holds a lease on (eviction, GC, re-sealing and
         purges pass them over; their bytes stay until the lease ends)."""
         with self._ctx.index.read() as session:
-            return leases.leased(session, None, time.time())
+            return self._ctx.leases.held(session, None)
 
     def staging_stats(self) -> dict[str, RingStats]:
         """Slots, slots in use, peak use and back-pressure waits of each staging ring."""

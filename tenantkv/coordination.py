@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
-from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from .extent_removal import ExtentRemover
 from .index import counters, extents, leases
@@ -39,7 +39,15 @@ def new_node_id() -> str:
 
 
 class LeaseKeeper:
-    """This node's leases: one per running load, renewed until released."""
+    """This node's leases: one per running load, renewed until released.
+
+    A lease holds on this node from the moment it is taken (:meth:`take`, no I/O: the load's
+    first layer does not wait on an index write); its row, which every other node honours, is
+    written just after, in the background (:meth:`persist`). Until the row commits, another
+    node could remove the extent; the load then still reads it through the files it already
+    opened (POSIX keeps unlinked files readable), or fails with a typed error -- never wrong
+    bytes. Every check of this node adds its local holds to the rows (:meth:`held`).
+    """
 
     def __init__(
         self,
@@ -58,36 +66,62 @@ class LeaseKeeper:
         self._remover = remover
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
+        # Writes of lease rows, one at a time: a release never runs before, or beside, the
+        # write of the same lease's rows (which would leave a row behind until it lapsed).
+        self._writes = threading.Lock()
         self._active: dict[bytes, tuple[str, ...]] = {}
+        remover.local_holds = self.local_extents
 
-    def acquire(self, connection: Connection, extent_ids: Collection[str]) -> bytes:
-        """Lease ``extent_ids`` in the caller's write transaction (the one that planned the
-        load, so no node removes them between the plan and the lease); return the lease id."""
+    def take(self, extent_ids: Collection[str]) -> bytes:
+        """Hold ``extent_ids`` for one load on this node now; return the lease id. Call
+        :meth:`persist` (in the background) to make the other nodes honour it."""
         lease_id = secrets.token_bytes(16)
-        until = self._wall_clock() + self.lease_seconds
-        leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
         with self._lock:
-            self._active[lease_id] = tuple(extent_ids)
+            self._active[lease_id] = tuple(dict.fromkeys(extent_ids))
         return lease_id
 
-    def forget(self, lease_id: bytes) -> None:
-        """The transaction that took ``lease_id`` rolled back: stop renewing it."""
-        with self._lock:
-            self._active.pop(lease_id, None)
+    def persist(self, lease_id: bytes) -> None:
+        """Write the lease's rows (unless it was released meanwhile)."""
+        with self._writes:
+            with self._lock:
+                extent_ids = self._active.get(lease_id)
+            if not extent_ids:
+                return
+            until = self._wall_clock() + self.lease_seconds
+            try:
+                with self._db.write_connection() as connection:
+                    leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
+            except SQLAlchemyError as err:  # it holds on this node; renewal retries the rows
+                logger.warning("could not record a lease for other nodes: %s", err)
 
     def release(self, lease_id: bytes, *, remove_unindexed: bool = True) -> None:
         """End a lease; then (unless the caller does it later) remove the bytes of its
         extents that were deleted from the index meanwhile."""
-        with self._lock:
-            extent_ids = self._active.pop(lease_id, ())
-        try:
-            with self._db.write_connection() as connection:
-                leases.release(connection, lease_id)
-        except SQLAlchemyError as err:  # the lease lapses by itself
-            logger.warning("could not release a lease (it lapses in time): %s", err)
-            return
+        with self._writes:
+            with self._lock:
+                extent_ids = self._active.pop(lease_id, ())
+            try:
+                with self._db.write_connection() as connection:
+                    leases.release(connection, lease_id)
+            except SQLAlchemyError as err:  # the lease lapses by itself
+                logger.warning("could not release a lease (it lapses in time): %s", err)
+                return
         if remove_unindexed:
             self.remove_unindexed(extent_ids)
+
+    def held(self, session: Session, extent_ids: Collection[str] | None) -> set[str]:
+        """Which of ``extent_ids`` (all, with ``None``) a load holds: a live lease row of any
+        node, or a lease of this node not yet written."""
+        found = leases.leased(session, extent_ids, self._wall_clock())
+        local = self.local_extents()
+        if extent_ids is not None:
+            local &= set(extent_ids)
+        return found | local
+
+    def local_extents(self) -> set[str]:
+        """Extents this node's running loads hold."""
+        with self._lock:
+            return {extent_id for ids in self._active.values() for extent_id in ids}
 
     def remove_unindexed(self, extent_ids: Collection[str]) -> None:
         """After a release committed: delete the bytes of extents that left the index while the
@@ -107,12 +141,18 @@ class LeaseKeeper:
         with self._lock:
             return dict(self._active)
 
+    def forget(self, lease_id: bytes) -> None:
+        """Stop holding and renewing ``lease_id`` here, as a node that died would (its row, if
+        written, lapses)."""
+        with self._lock:
+            self._active.pop(lease_id, None)
+
     def renew(self) -> None:
         """Extend every running load's lease by a full lifetime."""
         ids = list(self.active())
         if not ids:
             return
-        with self._db.write_connection() as connection:
+        with self._writes, self._db.write_connection() as connection:
             leases.renew(connection, ids, self._wall_clock() + self.lease_seconds)
 
     def release_all(self) -> None:

@@ -29,6 +29,9 @@ class ExtentRemover:
         self._db = db
         self._blocks = blocks
         self._wall_clock = wall_clock
+        #: Extents this node's loads hold whose lease rows may not be written yet (set by the
+        #: node's lease keeper).
+        self.local_holds: Callable[[], set[str]] = set
 
     def remove_bytes(self, extent_ids: Collection[str]) -> int:
         """Delete the bytes of ``extent_ids`` that no live lease holds; return how many went."""
@@ -36,6 +39,7 @@ class ExtentRemover:
             return 0
         with self._db.read() as session:
             held = leases.leased(session, extent_ids, self._wall_clock())
+        held |= self.local_holds()
         removed = 0
         for extent_id in extent_ids:
             if extent_id in held:
@@ -43,7 +47,7 @@ class ExtentRemover:
             removed += self.delete_file(extent_id)
         return removed
 
-    def drop_damaged(self, extent_id: str) -> None:
+    def drop_now(self, extent_id: str) -> None:
         """Remove a damaged or lost extent from the index (first) and the store (second).
 
         Its bytes go at once even if loads hold leases on them: they fail to open for every

@@ -79,7 +79,8 @@ def test_a_load_on_another_node_survives_eviction_gc_and_key_retirement(
         try:
             assert node_b.stdout is not None and node_b.stdin is not None
             assert node_b.stdout.readline().strip() == "leased"
-            assert busy in node_a.leased_extents()  # B's lease is visible to A
+            # B's lease row (written just after its load started) is visible to A
+            assert _wait_for(lambda: busy in node_a.leased_extents())
 
             # 1. A lowers the quota below one extent: both leave the index; the idle one's
             #    bytes go now, the busy one's stay while B's lease holds.

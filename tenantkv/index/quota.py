@@ -73,6 +73,7 @@ def make_room(
     now: float,
     *,
     lease_now: float,
+    held_locally: Collection[str] = (),
     keep: str | None = None,
     evict_leased: bool = False,
 ) -> list[Evicted]:
@@ -80,7 +81,8 @@ def make_room(
     bytes fit ``quota``; return what was deleted (the caller removes the bytes after commit).
 
     ``keep`` (the extent being stored) is never chosen, nor is an extent that a running load
-    on any node holds a lease on (at ``lease_now``, wall clock) -- unless ``evict_leased``
+    on any node holds a lease on (at ``lease_now``, wall clock; or this node's loads hold,
+    ``held_locally``, before their lease rows are written) -- unless ``evict_leased``
     (an operator lowering the quota): then leased extents go last, leaving the index at once
     while their bytes stay until the lease ends. Raises QuotaExceededError, changing nothing,
     when that is not enough.
@@ -98,6 +100,7 @@ def make_room(
         )
     ).all()
     held = leases.leased(session, [row.id for row in candidates], lease_now)
+    held |= set(held_locally)
     chosen: list[Evicted] = []
     passes = (False, True) if evict_leased else (False,)
     for take_leased in passes:

@@ -46,7 +46,7 @@ def collect(
     with ctx.index.read() as session:
         expired = extents.expired(session, now)
     with ctx.index.read() as session:  # a running load on any node keeps its extents
-        held = leases.leased(session, [row.id for row in expired], time.time())
+        held = ctx.leases.held(session, [row.id for row in expired])
     expired = [row for row in expired if row.id not in held]
     existing = list(ctx.blocks.list())
     total = len(expired) + len(existing)
@@ -123,7 +123,7 @@ def _sweep_orphans(
         with ctx.index.read() as session:
             indexed = extents.indexed(session, batch)
             # An evicted extent a load still reads is unindexed but not an orphan yet.
-            indexed |= leases.leased(session, batch, time.time())
+            indexed |= ctx.leases.held(session, batch)
         for extent_id in batch:
             if extent_id in indexed:
                 continue

@@ -408,7 +408,13 @@ class Namespace:
             inserted = blocks.index_blocks(self._ctx.index, session, extent, keys, positions)
             if inserted:
                 evicted = make_room(
-                    session, tenant_id, quota, now, lease_now=time.time(), keep=extent_id
+                    session,
+                    tenant_id,
+                    quota,
+                    now,
+                    lease_now=time.time(),
+                    held_locally=self._ctx.leases.local_extents(),
+                    keep=extent_id,
                 )
         return inserted, evicted
 
@@ -542,17 +548,14 @@ class Namespace:
         return target
 
     def _plan_and_lease(self, keys: list[BlockKey]) -> tuple[ReadPlan, bytes]:
-        """The read plan of ``keys`` and a lease on its extents, taken in one write
-        transaction: an extent this plan names cannot lose its bytes before the lease holds."""
-        lease: bytes | None = None
-        try:
-            with self._ctx.index.write_connection() as connection:
-                plan = self._plan(connection, keys)
-                lease = self._ctx.leases.acquire(connection, [e.extent_id for e in plan.extents])
-        except BaseException:
-            if lease is not None:  # the transaction that took it rolled back
-                self._ctx.leases.forget(lease)
-            raise
+        """The read plan of ``keys`` (one read transaction) and a lease on its extents: held on
+        this node at once, its row written in the background, so the first layer waits on no
+        index write (a write transaction here queued behind other writers' locks and cost
+        milliseconds of time to first layer on SQLite; see docs/perf.md)."""
+        with self._ctx.index.read_connection() as connection:
+            plan = self._plan(connection, keys)
+        lease = self._ctx.leases.take([e.extent_id for e in plan.extents])
+        self._ctx.runtime.submit_coordination(self._ctx.leases.persist, lease)
         return plan, lease
 
     def _plan(self, connection: Connection, keys: list[BlockKey]) -> ReadPlan:
@@ -647,13 +650,13 @@ class Namespace:
                 f"extent {failure.extent_id} layer {failure.layer}: {failure.cause}",
                 SEGMENT_OPEN_FAILED,
             )
-            self._ctx.remover.drop_damaged(failure.extent_id)
+            self._ctx.remover.drop_now(failure.extent_id)
         elif failure.lost:
             # Not evidence of an attack (a shared tier evicted it, a disk lost it): the index
             # forgets it, so later lookups miss, and operators see a counter.
             logger.warning("extent %s is lost: %s", failure.extent_id, failure.cause)
             self._ctx.health.count(LOST_EXTENTS)
-            self._ctx.remover.drop_damaged(failure.extent_id)
+            self._ctx.remover.drop_now(failure.extent_id)
         else:
             logger.warning("reading extent %s failed: %s", failure.extent_id, failure.cause)
 

@@ -8,14 +8,13 @@ without bytes). Extents a running load has pinned are left alone and counted as 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Final
 
 from ..audit import Attribution
 from ..context import CacheContext
 from ..errors import TenantNotFoundError
-from ..index import extents, leases
+from ..index import extents
 from ..index import tenants as tenant_rows
 
 CACHE_PURGE: Final = "cache.purge"
@@ -38,7 +37,7 @@ def purge(ctx: CacheContext, by: Attribution, tenant: str, scope: str | None) ->
         if tenant_id is None:
             raise TenantNotFoundError(f"no tenant named {tenant!r}")
         rows = extents.of_tenant(session, tenant_id, scope)
-        held = leases.leased(session, [row.id for row in rows], time.time())
+        held = ctx.leases.held(session, [row.id for row in rows])
         chosen = [(row.id, int(row.size_bytes)) for row in rows if row.id not in held]
         ids = [extent_id for extent_id, _ in chosen]
         extents.delete_rows(session, ids)

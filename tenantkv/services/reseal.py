@@ -10,7 +10,6 @@ referenced blocks only. An extent that fails to open is dropped and recorded as 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ from ..context import CacheContext
 from ..crypto import CipherSuite, ExtentCipher, SealOpenError, SegmentContext, new_salt
 from ..errors import TenantNotFoundError
 from ..extent_format import ExtentGeometry
-from ..index import counters, extents, leases
+from ..index import counters, extents
 from ..index import tenants as tenant_rows
 from ..index.quota import lock_tenants
 from ..index.schema import Extent
@@ -48,7 +47,7 @@ def reseal_tenant(ctx: CacheContext, tenant: str, tenant_id: bytes, current: int
     resealed = dropped = skipped = 0
     for extent in old_extents:
         with ctx.index.read() as session:  # checked per extent: loads start and end meanwhile
-            in_use = bool(leases.leased(session, [extent.id], time.time()))
+            in_use = bool(ctx.leases.held(session, [extent.id]))
         if in_use:
             skipped += 1
             continue
@@ -59,7 +58,7 @@ def reseal_tenant(ctx: CacheContext, tenant: str, tenant_id: bytes, current: int
             ctx.incidents.record(
                 "segment_open_failed", tenant, f"re-seal of {extent.id}: {err}", SEGMENT_OPEN_FAILED
             )
-            ctx.remover.drop_damaged(extent.id)
+            ctx.remover.drop_now(extent.id)
             dropped += 1
     return ResealOutcome(resealed, dropped, skipped)
 
@@ -68,7 +67,7 @@ def _reseal_one(ctx: CacheContext, extent: Extent, new_key: bytes, version: int)
     with ctx.index.read() as session:
         blocks = extents.referenced_slots(session, extent.id)
     if not blocks:  # nothing references it: nothing to keep
-        ctx.remover.drop_damaged(extent.id)
+        ctx.remover.drop_now(extent.id)
         return
     suite = CipherSuite(extent.suite)
     old = ExtentGeometry(extent.num_blocks, extent.num_layers, extent.segment_bytes, suite)

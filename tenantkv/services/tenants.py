@@ -166,7 +166,13 @@ def update_tenant(
             # The operator's quota takes effect now: a running load's extent leaves the
             # index if it must, and its bytes stay until the load's lease ends.
             evicted = make_room(
-                session, row.id, quota_bytes, now, lease_now=time.time(), evict_leased=True
+                session,
+                row.id,
+                quota_bytes,
+                now,
+                lease_now=time.time(),
+                held_locally=ctx.leases.local_extents(),
+                evict_leased=True,
             )
         row.updated_at = now
         session.flush()
