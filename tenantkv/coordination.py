@@ -31,6 +31,10 @@ from .keyring import Keyring
 logger = logging.getLogger("tenantkv")
 
 DEFAULT_LEASE_SECONDS = 60.0
+#: How long a new lease waits before its row is written: past a load's first layers, so the
+#: write does not compete with them for the cores and the interpreter; a load that ends sooner
+#: writes no row at all. Leases taken meanwhile are written together, in one transaction.
+LEASE_WRITE_DELAY_S = 0.02
 
 
 def new_node_id() -> str:
@@ -43,7 +47,8 @@ class LeaseKeeper:
 
     A lease holds on this node from the moment it is taken (:meth:`take`, no I/O: the load's
     first layer does not wait on an index write); its row, which every other node honours, is
-    written just after, in the background (:meth:`persist`). Until the row commits, another
+    written shortly after, in the background, together with the others taken meanwhile
+    (:meth:`persist_pending`, ``LEASE_WRITE_DELAY_S`` later). Until the row commits, another
     node could remove the extent; the load then still reads it through the files it already
     opened (POSIX keeps unlinked files readable), or fails with a typed error -- never wrong
     bytes. Every check of this node adds its local holds to the rows (:meth:`held`).
@@ -70,6 +75,8 @@ class LeaseKeeper:
         # write of the same lease's rows (which would leave a row behind until it lapsed).
         self._writes = threading.Lock()
         self._active: dict[bytes, tuple[str, ...]] = {}
+        self._unwritten: set[bytes] = set()
+        self.pending = threading.Event()  # set when a lease waits for its row
         remover.local_holds = self.local_extents
 
     def take(self, extent_ids: Collection[str]) -> bytes:
@@ -78,21 +85,28 @@ class LeaseKeeper:
         lease_id = secrets.token_bytes(16)
         with self._lock:
             self._active[lease_id] = tuple(dict.fromkeys(extent_ids))
+            self._unwritten.add(lease_id)
+        self.pending.set()
         return lease_id
 
-    def persist(self, lease_id: bytes) -> None:
-        """Write the lease's rows (unless it was released meanwhile)."""
+    def persist_pending(self) -> None:
+        """Write the rows of every lease still running whose rows are not written yet, in one
+        transaction (kept pending, and retried, if it fails)."""
         with self._writes:
             with self._lock:
-                extent_ids = self._active.get(lease_id)
-            if not extent_ids:
+                batch = {lease: self._active[lease] for lease in self._unwritten}
+                self._unwritten.clear()
+            if not batch:
                 return
             until = self._wall_clock() + self.lease_seconds
             try:
                 with self._db.write_connection() as connection:
-                    leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
-            except SQLAlchemyError as err:  # it holds on this node; renewal retries the rows
-                logger.warning("could not record a lease for other nodes: %s", err)
+                    for lease_id, extent_ids in batch.items():
+                        leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
+            except SQLAlchemyError as err:  # they hold on this node; retried next round
+                logger.warning("could not record leases for other nodes: %s", err)
+                with self._lock:
+                    self._unwritten.update(lease for lease in batch if lease in self._active)
 
     def release(self, lease_id: bytes, *, remove_unindexed: bool = True) -> None:
         """End a lease; then (unless the caller does it later) remove the bytes of its
@@ -100,12 +114,15 @@ class LeaseKeeper:
         with self._writes:
             with self._lock:
                 extent_ids = self._active.pop(lease_id, ())
-            try:
-                with self._db.write_connection() as connection:
-                    leases.release(connection, lease_id)
-            except SQLAlchemyError as err:  # the lease lapses by itself
-                logger.warning("could not release a lease (it lapses in time): %s", err)
-                return
+                unwritten = lease_id in self._unwritten
+                self._unwritten.discard(lease_id)
+            if not unwritten:  # a lease whose row was never written needs no index write
+                try:
+                    with self._db.write_connection() as connection:
+                        leases.release(connection, lease_id)
+                except SQLAlchemyError as err:  # the lease lapses by itself
+                    logger.warning("could not release a lease (it lapses in time): %s", err)
+                    return
         if remove_unindexed:
             self.remove_unindexed(extent_ids)
 
@@ -146,6 +163,7 @@ class LeaseKeeper:
         written, lapses)."""
         with self._lock:
             self._active.pop(lease_id, None)
+            self._unwritten.discard(lease_id)
 
     def renew(self) -> None:
         """Extend every running load's lease by a full lifetime."""
@@ -197,14 +215,26 @@ class CoordinationThread:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        next_round = time.monotonic() + self._interval
+        while not self._stop.is_set():
+            self._keeper.pending.wait(max(0.0, next_round - time.monotonic()))
+            if self._stop.is_set():
+                return
             try:
-                self._keeper.renew()
-                self._watcher.check()
+                if self._keeper.pending.is_set():
+                    self._keeper.pending.clear()
+                    self._stop.wait(LEASE_WRITE_DELAY_S)
+                    self._keeper.persist_pending()
+                if time.monotonic() >= next_round:
+                    next_round = time.monotonic() + self._interval
+                    self._keeper.persist_pending()
+                    self._keeper.renew()
+                    self._watcher.check()
             except SQLAlchemyError as err:
-                logger.warning("lease renewal or key-epoch check failed (retrying): %s", err)
+                logger.warning("lease writes or the key-epoch check failed (retrying): %s", err)
 
     def stop(self) -> None:
         self._stop.set()
+        self._keeper.pending.set()  # wake the thread
         if self._thread.is_alive():
             self._thread.join()

@@ -73,12 +73,6 @@ class Runtime:
         with contextlib.suppress(RuntimeError):
             self.load_executor.submit(task, *args)
 
-    def submit_coordination(self, task: Callable[..., object], *args: object) -> None:
-        """Run a short index write for another node's sake (a lease row) on the sealing pool,
-        which a load's workers do not occupy; dropped once the cache closes."""
-        with contextlib.suppress(RuntimeError):
-            self.seal_executor.submit(task, *args)
-
     def track_stream(self, stream: LoadStream) -> None:
         with self._lock:
             self._streams.add(stream)

@@ -19,6 +19,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 import tenantkv
+from tenantkv.index import leases
 from tenantkv.index.schema import Extent
 
 from .helpers import MLA_SMALL, random_layers, random_tokens
@@ -31,6 +32,12 @@ TOKENS = 128
 def _extent_ids(kv: tenantkv.TenantKV) -> set[str]:
     with kv.context.index.read() as session:
         return set(session.scalars(select(Extent.id)).all())
+
+
+def _lease_rows(kv: tenantkv.TenantKV) -> set[str]:
+    """Extents with a live lease row (what other nodes see), without this node's local holds."""
+    with kv.context.index.read() as session:
+        return leases.leased(session, None, time.time())
 
 
 def _extent_path(root: Path, extent_id: str) -> Path:
@@ -126,9 +133,9 @@ def test_a_lapsed_lease_no_longer_protects_the_bytes(tmp_path: Path, index: Inde
         ns.store(tokens, random_layers(MLA_SMALL, TOKENS, 3))
         (extent,) = _extent_ids(kv)
         stream = ns.load(tokens)
-        kv.context.leases.forget(
-            next(iter(kv.context.leases.active()))
-        )  # as if this node died: no renewal
+        assert _wait_for(lambda: extent in _lease_rows(kv))  # its row is written shortly after
+        # as if this node died: no renewal, and no release
+        kv.context.leases.forget(next(iter(kv.context.leases.active())))
         kv.update_tenant("acme", quota_bytes=1024)
         kv.gc(orphan_grace=0)
         assert _extent_path(root, extent).exists()  # control: the lease still holds

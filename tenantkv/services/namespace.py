@@ -555,7 +555,6 @@ class Namespace:
         with self._ctx.index.read_connection() as connection:
             plan = self._plan(connection, keys)
         lease = self._ctx.leases.take([e.extent_id for e in plan.extents])
-        self._ctx.runtime.submit_coordination(self._ctx.leases.persist, lease)
         return plan, lease
 
     def _plan(self, connection: Connection, keys: list[BlockKey]) -> ReadPlan:
