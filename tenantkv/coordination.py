@@ -77,7 +77,7 @@ class LeaseKeeper:
         self._active: dict[bytes, tuple[str, ...]] = {}
         self._unwritten: set[bytes] = set()
         self.pending = threading.Event()  # set when a lease waits for its row
-        remover.local_holds = self.local_extents
+        remover.held = self.held
 
     def take(self, extent_ids: Collection[str]) -> bytes:
         """Hold ``extent_ids`` for one load on this node now; return the lease id. Call

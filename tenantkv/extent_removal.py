@@ -12,6 +12,8 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
+from sqlalchemy.orm import Session
+
 from .index import extents, leases
 from .index.database import Database
 from .index.quota import lock_tenants
@@ -29,17 +31,18 @@ class ExtentRemover:
         self._db = db
         self._blocks = blocks
         self._wall_clock = wall_clock
-        #: Extents this node's loads hold whose lease rows may not be written yet (set by the
-        #: node's lease keeper).
-        self.local_holds: Callable[[], set[str]] = set
+        #: Which of the given extents a load holds: lease rows of every node, and (once the
+        #: node's lease keeper sets it to ``LeaseKeeper.held``) this node's unwritten leases.
+        self.held: Callable[[Session, Collection[str]], set[str]] = lambda session, ids: (
+            leases.leased(session, ids, self._wall_clock())
+        )
 
     def remove_bytes(self, extent_ids: Collection[str]) -> int:
         """Delete the bytes of ``extent_ids`` that no live lease holds; return how many went."""
         if not extent_ids:
             return 0
         with self._db.read() as session:
-            held = leases.leased(session, extent_ids, self._wall_clock())
-        held |= self.local_holds()
+            held = self.held(session, extent_ids)
         removed = 0
         for extent_id in extent_ids:
             if extent_id in held:

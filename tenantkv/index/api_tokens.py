@@ -8,7 +8,7 @@ does not yield usable credentials.
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, Float, String, select, update
+from sqlalchemy import Float, String, select, update
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 
@@ -27,11 +27,6 @@ class ApiToken(ServerBase):
     created_by: Mapped[str] = mapped_column(String(256))
     expires_at: Mapped[float | None] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float)
-
-
-def create_schema(engine: Engine) -> None:
-    """Create the token table next to the cache's (idempotent)."""
-    ServerBase.metadata.create_all(engine)
 
 
 def usable_operator_exists(session: Session, now: float) -> bool:

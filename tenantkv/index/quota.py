@@ -12,14 +12,14 @@ holds the later blocks of a prefix, so shorter prefixes stay usable.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..errors import QuotaExceededError
-from . import extents, leases
+from . import extents
 from .schema import Extent, Tenant
 
 
@@ -72,8 +72,7 @@ def make_room(
     quota: int,
     now: float,
     *,
-    lease_now: float,
-    held_locally: Collection[str] = (),
+    held: Callable[[Collection[str]], set[str]],
     keep: str | None = None,
     evict_leased: bool = False,
 ) -> list[Evicted]:
@@ -81,8 +80,8 @@ def make_room(
     bytes fit ``quota``; return what was deleted (the caller removes the bytes after commit).
 
     ``keep`` (the extent being stored) is never chosen, nor is an extent that a running load
-    on any node holds a lease on (at ``lease_now``, wall clock; or this node's loads hold,
-    ``held_locally``, before their lease rows are written) -- unless ``evict_leased``
+    holds (``held``: which of the given extents some node's load holds, see
+    ``LeaseKeeper.held``) -- unless ``evict_leased``
     (an operator lowering the quota): then leased extents go last, leaving the index at once
     while their bytes stay until the lease ends. Raises QuotaExceededError, changing nothing,
     when that is not enough.
@@ -99,15 +98,14 @@ def make_room(
             Extent.created_at.desc(),
         )
     ).all()
-    held = leases.leased(session, [row.id for row in candidates], lease_now)
-    held |= set(held_locally)
+    in_use = held([row.id for row in candidates])
     chosen: list[Evicted] = []
     passes = (False, True) if evict_leased else (False,)
     for take_leased in passes:
         for extent_id, namespace_id, size, expires_at in candidates:
             if used <= quota:
                 break
-            if extent_id == keep or (extent_id in held) != take_leased:
+            if extent_id == keep or (extent_id in in_use) != take_leased:
                 continue
             chosen.append(Evicted(extent_id, namespace_id, size, expires_at <= now))
             used -= size

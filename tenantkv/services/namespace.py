@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -412,8 +411,7 @@ class Namespace:
                     tenant_id,
                     quota,
                     now,
-                    lease_now=time.time(),
-                    held_locally=self._ctx.leases.local_extents(),
+                    held=lambda ids: self._ctx.leases.held(session, ids),
                     keep=extent_id,
                 )
         return inserted, evicted

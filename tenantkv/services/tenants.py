@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -170,8 +169,7 @@ def update_tenant(
                 row.id,
                 quota_bytes,
                 now,
-                lease_now=time.time(),
-                held_locally=ctx.leases.local_extents(),
+                held=lambda ids: ctx.leases.held(session, ids),
                 evict_leased=True,
             )
         row.updated_at = now
