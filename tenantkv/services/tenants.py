@@ -155,10 +155,10 @@ def update_tenant(
         row = _row(session, name, lock=True)
         evicted: list[Evicted] = []
         if retention is not None:
-            classes = {**loads_retention(row.retention), **_given(retention)}
-            row.retention = dumps_retention(classes)
-            for kind, ttl in classes.items():
-                tenant_rows.restart_retention(session, row.id, kind, ttl)
+            given = _given(retention)
+            row.retention = dumps_retention({**loads_retention(row.retention), **given})
+            # Only the classes given change; one statement restarts them all.
+            tenant_rows.restart_retention(session, row.id, given)
         if quota_bytes is not None:
             _check_capacity(ctx, session, quota_bytes, row.id)
             row.quota_bytes = quota_bytes
