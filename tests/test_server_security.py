@@ -218,7 +218,7 @@ def _mint_until_refused(
 def test_tokens_minted_while_a_tenant_is_deleted_never_survive(api: Api) -> None:
     """Mints race DELETE /v1/tenants/{name}: whichever commits first, no minted token is left
     unrevoked, nor usable once the name is created again."""
-    for run in range(5):
+    for run in range(8):
         name = f"race-{run}"
         api.kv.create_tenant(name)
         admin = bearer(create_token(api.kv, "tenant-admin", name))
@@ -226,7 +226,7 @@ def test_tokens_minted_while_a_tenant_is_deleted_never_survive(api: Api) -> None
         errors: list[str] = []
         threads = [
             threading.Thread(target=_mint_until_refused, args=(api, name, admin, minted, errors))
-            for _ in range(4)
+            for _ in range(8)
         ]
         for thread in threads:
             thread.start()
