@@ -166,6 +166,11 @@ def test_revoking_a_minter_revokes_every_token_minted_under_it(api: Api) -> None
     for headers in (child, grandchild, sibling):  # positive control: all of them work
         assert all(status in (200, 201) for status in _answers(api, "acme", headers))
     acme_id = token_id_of(api.acme["Authorization"].removeprefix("Bearer "))
+    child_id = token_id_of(child["Authorization"].removeprefix("Bearer "))
+    listed = api.client.get("/v1/tenants/acme/tokens", headers=api.acme).json()
+    minted_by = {t["id"]: t["minted_by"] for t in listed}
+    assert minted_by[child_id] == acme_id and minted_by[acme_id] is None
+    assert child_id in minted_by.values()  # the grandchild names its minter
     assert api.client.delete(f"/v1/tokens/{acme_id}", headers=api.operator).status_code == 204
     for headers in (child, grandchild):
         assert _answers(api, "acme", headers) == [401] * len(OWN_ROUTES)

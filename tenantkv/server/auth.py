@@ -80,6 +80,7 @@ class TokenInfo:
     created_by: str
     expires_at: float | None
     revoked_at: float | None
+    minted_by: str | None = None  # the id of the token that minted it (None: the process/CLI)
 
 
 class AuthError(Exception):
@@ -314,6 +315,7 @@ def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
                 created_by=row.created_by,
                 expires_at=row.expires_at,
                 revoked_at=row.revoked_at,
+                minted_by=row.minted_by,
             )
             for row in api_tokens.listing(session, tenant_id)
         ]

@@ -56,6 +56,7 @@ class TokenOut(BaseModel):
     created_by: str
     expires_at: float | None
     revoked_at: float | None
+    minted_by: str | None = Field(default=None, description="id of the token that minted it")
 
     @classmethod
     def of(cls, info: TokenInfo) -> TokenOut:
