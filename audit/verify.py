@@ -43,7 +43,7 @@ from .canonical import (
     split_sealed_line,
 )
 from .errors import AuditVerificationError
-from .events import chain_for
+from .events import is_chain_of
 from .signing import key_id_of, public_raw_of
 
 MAX_PROBLEMS = 200
@@ -254,7 +254,7 @@ class _Verifier:
             self.problem(
                 f"line {number}: {chain} seq {seq}: hash does not match the record (edited)"
             )
-        if chain != chain_for(body["tenant"]):
+        if not is_chain_of(chain, body["tenant"]):
             self.problem(f"line {number}: record of tenant {body['tenant']!r} filed in {chain!r}")
         block = self.block
         if block is None or block.chain != chain:
@@ -409,7 +409,7 @@ class _Verifier:
                     f"{summary.chain}: its last checkpoint is not the one signed for this export "
                     "(checkpoint lines moved)"
                 )
-            if tenant is not None and summary.chain != chain_for(tenant):
+            if tenant is not None and not is_chain_of(summary.chain, tenant):
                 self.problem(f"chain {summary.chain} is in an export of tenant {tenant!r} only")
             first_time, last_time = self.block_times[summary.chain]
             if since_us is not None and first_time < since_us:
