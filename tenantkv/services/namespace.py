@@ -459,6 +459,7 @@ class Namespace:
             block_rows,
             self._ctx.runtime.layer_pool,
             block_tokens=self.block_tokens,
+            inputs=[tokens] if isinstance(tokens, torch.Tensor) else (),
         )
         try:
             plan, lease = self._plan_and_lease(keys)
