@@ -31,6 +31,7 @@ from .index import stats
 from .index.database import Database
 from .layout import KVLayout
 from .metering import UsageReport
+from .private_files import private_dir
 from .security_events import SecurityEvent
 from .services import capacity, purge, reseal, tenants
 from .services.gc import BackgroundGc, GcReport, Progress
@@ -370,7 +371,7 @@ def open(
     if load_threads is not None:
         settings.setdefault("load_workers", load_threads)
     config = config.with_overrides(**settings)
-    config.root.mkdir(parents=True, exist_ok=True)
+    private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
     wrapper = _key_wrapper(config)
     store = block_store or LocalBlockStore(
         block_store_path(config.blocks_url), durable=config.durable

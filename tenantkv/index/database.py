@@ -12,13 +12,15 @@ import contextlib
 import sqlite3
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, MetaData, create_engine, event, select, text
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event, make_url, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ..audit import AuditBase
+from ..private_files import private_sqlite_files
 from .schema import Base, SchemaInfo
 
 SCHEMA_VERSION = "1"
@@ -62,6 +64,18 @@ def _configure_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def _private_database_file(url: str) -> None:
+    """Create a SQLite index file 0600 before SQLite does (it would use 0644 less the umask, and
+    give the -wal and -shm files the same mode), or make an existing one owner-only: the index
+    holds tenant names, metering, the audit log and the token table."""
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    if path.parent.is_dir():  # otherwise SQLite's own error says what is missing
+        private_sqlite_files(path)
+
+
 class Database:
     """Owns the engine; hands out read and write sessions."""
 
@@ -69,6 +83,8 @@ class Database:
         self.url = url
         is_sqlite = url.startswith("sqlite")
         connect_args: dict[str, Any] = {"check_same_thread": False} if is_sqlite else {}
+        if is_sqlite:
+            _private_database_file(url)
         self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
         if is_sqlite:
             _configure_sqlite(self.engine)
