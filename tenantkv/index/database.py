@@ -12,6 +12,7 @@ import contextlib
 import sqlite3
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,12 @@ from sqlalchemy.orm import Session
 
 from ..audit import AuditBase
 from ..private_files import private_sqlite_files
-from .schema import Base, SchemaInfo
+from .schema import Base, DataKey, SchemaInfo
+from .schema import Namespace as NamespaceRow
 
 SCHEMA_VERSION = "1"
+_BUSY_TIMEOUT_MS = 30000
+_SCRUB_RETRY_S = 0.1
 _IMMEDIATE = "tenantkv_immediate"
 # PostgreSQL advisory locks, named per schema: "open" is held while a process creates or checks
 # the index's tables and settings on opening, "ddl" while it creates tables; take_turns() names
@@ -53,7 +57,7 @@ def _configure_sqlite(engine: Engine) -> None:
         _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
         # Deleted rows (a crypto-shredded tenant's wrapped keys) are overwritten, not just freed.
         cursor.execute("PRAGMA secure_delete=ON")
         cursor.close()
@@ -74,6 +78,14 @@ def _private_database_file(url: str) -> None:
     path = Path(database)
     if path.parent.is_dir():  # otherwise SQLite's own error says what is missing
         private_sqlite_files(path)
+
+
+@dataclass(frozen=True)
+class LogScrub:
+    """Whether :meth:`Database.scrub_log` made deletions final on disk, and what it found."""
+
+    complete: bool
+    detail: str
 
 
 class Database:
@@ -176,12 +188,76 @@ class Database:
             return postgresql.insert(table).on_conflict_do_nothing()
         raise NotImplementedError(f"database dialect {self.dialect!r} is not supported")
 
-    def scrub_log(self) -> None:
-        """Make deletions final on disk: on SQLite, copy the write-ahead log into the database
-        and truncate it, so deleted rows' old contents do not linger in the -wal file."""
-        if self.dialect == "sqlite":
-            with self.engine.connect() as connection:
-                connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    def scrub_log(self, timeout: float = 2.0) -> LogScrub:
+        """Make deletions final in the index's files, retrying for up to ``timeout`` seconds;
+        say whether that succeeded.
+
+        SQLite (``secure_delete`` zeroes deleted rows in their pages): checkpoint the
+        write-ahead log into the database and truncate it, so the old page images that still
+        hold deleted rows (a shredded tenant's wrapped keys) leave the ``-wal`` file. That
+        cannot complete while another connection reads an older snapshot, which still needs
+        those pages; the checkpoint's result row (busy, log, checkpointed) tells.
+
+        PostgreSQL: ``VACUUM`` the key tables, which removes the deleted rows' dead tuples
+        unless a transaction older than the deletion still runs; their count left afterwards
+        (``pg_stat_user_tables.n_dead_tup``) tells. What VACUUM cannot reach (WAL segments,
+        archives, replicas, backups, freed space not yet reused) is in docs/architecture.md.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.dialect == "sqlite":
+                outcome = self._checkpoint(deadline)
+            elif self.dialect == "postgresql":
+                outcome = self._vacuum_key_tables()
+            else:
+                return LogScrub(False, f"no scrub for {self.dialect}")
+            if outcome.complete or time.monotonic() >= deadline:
+                return outcome
+            time.sleep(_SCRUB_RETRY_S)
+
+    def _checkpoint(self, deadline: float) -> LogScrub:
+        # A raw connection: SQLAlchemy would wrap the pragma in a BEGIN. Its busy timeout is
+        # lowered for the checkpoint, which otherwise waits 30 s for every reader to finish.
+        connection = self.engine.raw_connection()
+        try:
+            cursor = connection.cursor()
+            try:
+                wait_ms = int(max(0.0, min(_SCRUB_RETRY_S, deadline - time.monotonic())) * 1000)
+                cursor.execute(f"PRAGMA busy_timeout={wait_ms}")
+                busy, log, done = cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+                cursor.close()
+        finally:
+            connection.close()
+        if busy or log != done:
+            return LogScrub(
+                False,
+                f"the write-ahead log could not be truncated (busy={busy}, {done} of {log} "
+                "pages checkpointed): another connection holds an older read snapshot",
+            )
+        return LogScrub(True, "write-ahead log checkpointed and truncated")
+
+    def _vacuum_key_tables(self) -> LogScrub:
+        tables = [DataKey.__tablename__, NamespaceRow.__tablename__]
+        autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        with autocommit.connect() as connection:  # VACUUM cannot run in a transaction
+            for table in tables:
+                connection.exec_driver_sql(f'VACUUM "{table}"')
+            left = connection.execute(
+                text(
+                    "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
+                    "WHERE schemaname = current_schema() AND relname = ANY(:tables)"
+                ),
+                {"tables": tables},
+            ).scalar_one()
+        if left:
+            return LogScrub(
+                False,
+                f"{left} dead row versions of key tables survived VACUUM: a transaction "
+                "older than the deletion still runs",
+            )
+        return LogScrub(True, "key tables vacuumed")
 
     def schema_version(self) -> str | None:
         with self.read() as session:
