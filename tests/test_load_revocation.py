@@ -79,17 +79,17 @@ def test_deleting_the_tenant_ends_its_running_load_before_the_next_layer(
 def test_deletion_on_another_node_ends_the_load_once_that_node_sees_the_key_epoch(
     node_a: TenantKV, cache_root: Path
 ) -> None:
-    with tenantkv.open(cache_root, durable=False) as node_b:
-        with _namespace(node_b, "acme").load(TOKENS) as stream:
-            assert _same(stream.wait_for_layer(0), LAYERS[0])
-            assert node_b.context.key_epoch.check() is False  # nothing changed yet ...
-            assert _same(stream.wait_for_layer(1), LAYERS[1])  # ... so layers keep coming
-            node_a.delete_tenant("acme")
-            # What node B's coordination thread does every couple of seconds, done now.
-            node_b.context.key_epoch.check()
-            with pytest.raises(LoadRevokedError) as caught:
-                stream.wait_for_layer(2)
-            assert caught.value.delivered_layers == 2
+    node_b = tenantkv.open(cache_root, durable=False)
+    with node_b, _namespace(node_b, "acme").load(TOKENS) as stream:
+        assert _same(stream.wait_for_layer(0), LAYERS[0])
+        assert node_b.context.key_epoch.check() is False  # nothing changed yet ...
+        assert _same(stream.wait_for_layer(1), LAYERS[1])  # ... so layers keep coming
+        node_a.delete_tenant("acme")
+        # What node B's coordination thread does every couple of seconds, done now.
+        node_b.context.key_epoch.check()
+        with pytest.raises(LoadRevokedError) as caught:
+            stream.wait_for_layer(2)
+        assert caught.value.delivered_layers == 2
 
 
 def test_retiring_the_version_a_load_reads_with_ends_it(node_a: TenantKV, index: Index) -> None:

@@ -88,18 +88,20 @@ def test_opening_a_readable_root_fixes_it_with_a_warning(
     if index.is_sqlite:
         assert f"cache/index.db {0o644:04o}" in opened
     assert any(entry.startswith("cache/blocks/extents/") for entry in opened)
-    with caplog.at_level(logging.WARNING, logger="tenantkv"):
-        with tenantkv.open(cache_root, durable=False) as kv:
-            ns = kv.namespace("acme", model="perm", layout=MLA_SMALL)
-            assert ns.lookup(random_tokens(128, seed=1)) == 128  # the owner still has its data
-            # Directories are fixed; files inside a 0700 root are out of others' reach, and the
-            # index's files are made 0600 too.
-            assert _mode(cache_root) == 0o700
-            for path in _everything(cache_root):
-                if path.is_dir():
-                    assert _mode(path) == 0o700, path
-            if index.is_sqlite:
-                for suffix in ("", "-wal", "-shm"):
-                    assert _mode(cache_root / f"index.db{suffix}") == 0o600, suffix
+    with (
+        caplog.at_level(logging.WARNING, logger="tenantkv"),
+        tenantkv.open(cache_root, durable=False) as kv,
+    ):
+        ns = kv.namespace("acme", model="perm", layout=MLA_SMALL)
+        assert ns.lookup(random_tokens(128, seed=1)) == 128  # the owner still has its data
+        # Directories are fixed; files inside a 0700 root are out of others' reach, and the
+        # index's files are made 0600 too.
+        assert _mode(cache_root) == 0o700
+        for path in _everything(cache_root):
+            if path.is_dir():
+                assert _mode(path) == 0o700, path
+        if index.is_sqlite:
+            for suffix in ("", "-wal", "-shm"):
+                assert _mode(cache_root / f"index.db{suffix}") == 0o600, suffix
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(cache_root) in message and "0755" in message for message in warned), warned
