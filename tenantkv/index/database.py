@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, MetaData, create_engine, event, make_url, select, text
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from ..audit import AuditBase
@@ -228,6 +229,8 @@ class Database:
             finally:
                 cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
                 cursor.close()
+        except sqlite3.Error as err:  # the deletion has committed: report, do not raise
+            return LogScrub(False, f"the write-ahead log checkpoint failed: {err}")
         finally:
             connection.close()
         if busy or log != done:
@@ -242,8 +245,15 @@ class Database:
         tables = [DataKey.__tablename__, NamespaceRow.__tablename__]
         autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         with autocommit.connect() as connection:  # VACUUM cannot run in a transaction
-            for table in tables:
-                connection.exec_driver_sql(f'VACUUM "{table}"')
+            # Not behind another VACUUM (autovacuum) for long: scrub_log retries instead.
+            connection.exec_driver_sql(f"SET lock_timeout = {int(_SCRUB_RETRY_S * 1000)}")
+            try:
+                for table in tables:
+                    connection.exec_driver_sql(f'VACUUM "{table}"')
+            except OperationalError as err:  # lock_timeout
+                return LogScrub(False, f"VACUUM of the key tables waited too long: {err}")
+            finally:
+                connection.exec_driver_sql("RESET lock_timeout")
             left = connection.execute(
                 text(
                     "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
