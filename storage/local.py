@@ -14,9 +14,11 @@ it. Leftover ``.part`` files (a crash mid-write) are never visible as extents an
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +30,26 @@ from .errors import ExtentNotFoundError, ShortReadError, StorageError
 _EXTENT_SUFFIX = ".tkx"
 _ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+_PRIVATE_DIR = 0o700
+_SHARED_BITS = stat.S_IRWXG | stat.S_IRWXO
+
+logger = logging.getLogger("tenantkv.storage")
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` owner-only (0700), or take group/other access away from an existing one
+    (with a warning): extents are sealed, but their names, sizes and times still tell who
+    cached how much and when."""
+    if not path.is_dir():
+        path.mkdir(mode=_PRIVATE_DIR, parents=True, exist_ok=True)
+        os.chmod(path, _PRIVATE_DIR)  # mkdir's mode is filtered by the umask
+        return
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & _SHARED_BITS:
+        logger.warning(
+            "%s was accessible to group or others (mode %04o); changed to 0700", path, mode
+        )
+        os.chmod(path, (mode & ~_SHARED_BITS) | _PRIVATE_DIR)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -84,7 +106,7 @@ class _LocalWriter(ExtentWriter):
             os.close(self._fd)
             self._fd = None
             new_shard = not final.parent.exists()
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(mode=_PRIVATE_DIR, exist_ok=True)
             os.rename(self._temp, final)
             if self._store.durable:
                 _fsync_dir(final.parent)
@@ -156,15 +178,22 @@ class _LocalReader(ExtentReader):
 
 
 class LocalBlockStore(BlockStore):
-    """Extents as files under ``root``. ``durable=False`` skips fsync (tests, scratch caches)."""
+    """Extents as files under ``root``. ``durable=False`` skips fsync (tests, scratch caches).
+
+    Every directory is owner-only (0700) and every file 0600; opening a store whose directories
+    group or others can reach fixes them, with a logged warning.
+    """
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root)
         self.durable = durable
         self.extent_dir = self.root / "extents"
         self.temp_dir = self.root / "tmp"
-        self.extent_dir.mkdir(parents=True, exist_ok=True)
-        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (self.root, self.extent_dir, self.temp_dir):
+            _private_dir(directory)
+        for shard in self.extent_dir.iterdir():
+            if shard.is_dir():
+                _private_dir(shard)
 
     def path_of(self, extent_id: str) -> Path:
         if not _ID_PATTERN.fullmatch(extent_id):

@@ -31,6 +31,7 @@ from .index import stats
 from .index.database import Database
 from .layout import KVLayout
 from .metering import UsageReport
+from .private_files import private_dir
 from .security_events import SecurityEvent
 from .services import capacity, purge, reseal, tenants
 from .services.gc import BackgroundGc, GcReport, Progress
@@ -149,7 +150,11 @@ class TenantKV:
         return tenants.list_tenants(self._open())
 
     def delete_tenant(self, name: str, *, by: Attribution | None = None) -> None:
-        """Crypto-shred a tenant: its keys and index rows go in one transaction, then its bytes."""
+        """Crypto-shred a tenant: its keys and index rows go in one transaction, then its bytes.
+
+        Its running loads end before their next layer (``LoadRevokedError``). The index's files
+        are scrubbed of the destroyed keys; when a reader's snapshot prevents that, it is logged
+        and shown in ``health_counters()`` (``scrub_pending``) until a GC run finishes it."""
         ctx = self._open()
         tenants.delete_tenant(ctx, name, by or ctx.attribution)
 
@@ -163,7 +168,8 @@ class TenantKV:
         destroy the old versions that nothing uses any more.
 
         Extents a running load (on any node) is reading are skipped (their version is kept);
-        run it again later to finish. Returns what was done.
+        run it again later to finish. Returns what was done; ``scrub_complete`` is False when
+        the destroyed keys may still be in the index's files (see ``delete_tenant``).
         """
         ctx = self._open()
         return reseal.retire_keys(ctx, name, by or ctx.attribution)
@@ -370,7 +376,7 @@ def open(
     if load_threads is not None:
         settings.setdefault("load_workers", load_threads)
     config = config.with_overrides(**settings)
-    config.root.mkdir(parents=True, exist_ok=True)
+    private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
     wrapper = _key_wrapper(config)
     store = block_store or LocalBlockStore(
         block_store_path(config.blocks_url), durable=config.durable

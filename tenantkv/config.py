@@ -87,6 +87,10 @@ class CacheConfig:
     #: How long a load's lease on its extents lasts without renewal; a dead node's leases
     #: lapse after it.
     lease_seconds: float = 60.0
+    #: How long a shredding (tenant deletion, key retirement) keeps trying to remove the
+    #: destroyed keys from the index's files (SQLite's write-ahead log; PostgreSQL's dead
+    #: tuples) before it reports the scrub incomplete and leaves it to the next GC run.
+    scrub_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -106,6 +110,7 @@ class CacheConfig:
         for name in ("lease_seconds", "hit_cost"):
             _check_positive_number(name, getattr(self, name))
         _check_positive_number("orphan_grace", self.orphan_grace, allow_zero=True)
+        _check_positive_number("scrub_timeout", self.scrub_timeout, allow_zero=True)
         if self.gc_interval is not None:
             _check_positive_number("gc_interval", self.gc_interval)
         if self.block_store_url is not None:
@@ -182,7 +187,7 @@ _INTS = {
     "layer_pool_bytes",
     "default_quota_bytes",
 }
-_FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds"}
+_FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
 _BOOLS = {"durable", "strict"}
 
 

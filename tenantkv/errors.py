@@ -6,7 +6,9 @@
 * :class:`CacheMissError` -- a load asked for a prefix that is not (or no longer) cached.
 * :class:`LoadError` -- a load failed after it started; it says how many layers were delivered.
   :class:`SegmentIntegrityError` is the case where stored bytes failed to open (tampering or
-  corruption): the extent has been dropped and a security event recorded.
+  corruption): the extent has been dropped and a security event recorded;
+  :class:`LoadRevokedError` the case where the tenant was deleted (or the key version retired)
+  while the load ran.
 * :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
   serving path degrades to a miss; maintenance calls raise it).
 * :class:`MasterKeyError` -- the master key is missing, unreadable, or not this index's.
@@ -60,6 +62,11 @@ class LoadError(TenantKVError):
     def __init__(self, message: str, *, delivered_layers: int) -> None:
         super().__init__(message)
         self.delivered_layers = delivered_layers
+
+
+class LoadRevokedError(LoadError):
+    """The tenant was deleted, or a data-key version the load reads was retired, while the load
+    ran: it stopped before handing over another layer."""
 
 
 class SegmentIntegrityError(LoadError):

@@ -12,8 +12,12 @@ import threading
 from collections import Counter
 
 #: Names counted: ``lost_extents``; ``degraded_<operation>`` for lookup, cached_length,
-#: store, load and prefetch.
+#: store, load and prefetch; ``incomplete_scrubs`` (shredded keys that stayed in the index's
+#: files for a while, see ``services/shredding.py``).
 LOST_EXTENTS = "lost_extents"
+INCOMPLETE_SCRUBS = "incomplete_scrubs"
+#: A level, not a count: 1 while shredded keys may still be in the index's files, 0 after.
+SCRUB_PENDING = "scrub_pending"
 
 
 class HealthCounters:
@@ -26,6 +30,11 @@ class HealthCounters:
     def count(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self._counts[name] += amount
+
+    def set(self, name: str, value: int) -> None:
+        """Set a level (such as ``scrub_pending``) rather than add to a count."""
+        with self._lock:
+            self._counts[name] = value
 
     def counts(self) -> dict[str, int]:
         with self._lock:

@@ -32,6 +32,14 @@ class Keyring:
         self._lock = threading.Lock()
         self._data_keys: dict[tuple[bytes, int], bytes] = {}
         self._namespace_keys: dict[bytes, bytes] = {}
+        self._revocations = 0
+
+    @property
+    def revocations(self) -> int:
+        """How many times keys were forgotten (a deletion, a retirement, or another node's key
+        change): running loads re-check their keys when it moves (``KeyGuard``)."""
+        with self._lock:
+            return self._revocations
 
     def new_data_key(self, tenant_id: bytes, version: int) -> bytes:
         """A fresh data key, returned wrapped (the clear key is cached for this process)."""
@@ -72,6 +80,7 @@ class Keyring:
     def forget_versions(self, tenant_id: bytes, versions: list[int]) -> None:
         """Drop cached clear data keys of retired versions."""
         with self._lock:
+            self._revocations += 1
             for version in versions:
                 self._data_keys.pop((tenant_id, version), None)
 
@@ -79,6 +88,7 @@ class Keyring:
         """Drop every cached clear key (another node changed some tenant's keys); keys are
         unwrapped again from the index on their next use."""
         with self._lock:
+            self._revocations += 1
             self._data_keys.clear()
             self._namespace_keys.clear()
 
@@ -90,6 +100,7 @@ class Keyring:
     def forget_tenant(self, tenant_id: bytes, namespace_ids: list[bytes]) -> None:
         """Drop a tenant's cached clear keys (after its wrapped keys were destroyed)."""
         with self._lock:
+            self._revocations += 1
             for key in [k for k in self._data_keys if k[0] == tenant_id]:
                 del self._data_keys[key]
             for namespace_id in namespace_ids:

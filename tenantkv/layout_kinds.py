@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .errors import InvalidRequestError
+from .tensor_checks import check_dense
 
 Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -42,6 +43,7 @@ class KVLayout(Protocol):
 def check_tensor(layout: KVLayout, what: str, tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_dense(what, tensor)
     if tensor.dtype != layout.dtype:
         raise InvalidRequestError(
             f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}"

@@ -22,6 +22,7 @@ from .buffers import RecyclingPool
 from .errors import InvalidRequestError
 from .layout import KVLayout, Layer
 from .prefix import BLOCK_TOKENS
+from .tensor_checks import check_dense, check_disjoint
 
 
 def _check_buffer(
@@ -36,6 +37,7 @@ def _check_buffer(
     ``what``."""
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequestError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_dense(what, tensor)
     if tensor.dtype != layout.dtype:
         raise InvalidRequestError(
             f"{what} has dtype {tensor.dtype}, the layout says {layout.dtype}"
@@ -91,8 +93,12 @@ class LoadTarget:
         block_rows: Sequence[int] | None,
         host_pool: RecyclingPool | None = None,
         block_tokens: int = BLOCK_TOKENS,
+        inputs: Sequence[torch.Tensor] = (),
     ) -> None:
+        """``inputs``: the caller's input tensors (tokens), which no ``out=`` buffer may share
+        memory with."""
         self.layout = layout
+        self._inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
         self.block_tokens = block_tokens
         self._host_pool = host_pool
         self.device = _normalise_device(device)
@@ -138,20 +144,21 @@ class LoadTarget:
                 f"out has {len(out)} buffers, the layout has {layout.num_layers} layers"
             )
         checked: list[Any] = []
-        seen: set[int] = set()
+        named: list[tuple[str, torch.Tensor]] = []
         kind = layout.strategy
         tail = kind.out_tail(layout)
         for index, entry in enumerate(out):
 
             def check(what: str, tensor: Any) -> torch.Tensor:
-                return _check_buffer(what, tensor, layout, self.device, tail, rows_needed)
+                buffer = _check_buffer(what, tensor, layout, self.device, tail, rows_needed)
+                named.append((what, buffer))
+                return buffer
 
-            yielded, parts = kind.out_parts(entry, f"out[{index}]", check)
+            yielded, _parts = kind.out_parts(entry, f"out[{index}]", check)
             checked.append(yielded)
-            for part in parts:
-                if part.data_ptr() in seen:
-                    raise InvalidRequestError(f"out[{index}] shares memory with another buffer")
-                seen.add(part.data_ptr())
+        # Buffers that share bytes (one view overlapping another, or the tokens) would have one
+        # layer's rows overwrite another's: refused before anything is read.
+        check_disjoint(named + [("tokens", t) for t in self._inputs])
         return checked
 
     def new_layer(self, layer: int) -> LayerOutput:

@@ -54,7 +54,13 @@ from typing import Any, Self
 import torch
 
 from .crypto import SealOpenError
-from .errors import CacheClosedError, InvalidRequestError, LoadError, SegmentIntegrityError
+from .errors import (
+    CacheClosedError,
+    InvalidRequestError,
+    LoadError,
+    LoadRevokedError,
+    SegmentIntegrityError,
+)
 from .extent_format import HEADER_BYTES
 from .layout import KVLayout, Layer
 from .load_targets import LayerOutput, LoadTarget
@@ -207,9 +213,13 @@ class LoadStream:
         workers: int,
         on_failure: FailureHandler,
         on_close: Callable[[LoadStream], None] | None = None,
+        keys_exist: Callable[[], bool] | None = None,
     ) -> None:
+        """``keys_exist`` is asked before each layer is handed over; once it says no (the
+        tenant was deleted, its key version retired), the load ends with LoadRevokedError."""
         self.layout = layout
         self._on_close = on_close
+        self._keys_exist = keys_exist
         self.num_layers = layout.num_layers
         self.num_tokens = plan.num_blocks * target.block_tokens
         self.device = target.device
@@ -549,7 +559,14 @@ class LoadStream:
                 self._changed.wait()
                 self._caller_running.set()
                 self._waiting_for = -1
+        if broken is None and self._keys_exist is not None and not self._keys_exist():
+            raise self._revoke()
+        with self._lock:
             if broken is None:
+                if self._failed is not None:
+                    raise self._failed
+                if self._closed:
+                    raise CacheClosedError("the load stream was closed while waiting")
                 output = self._outputs[index]
                 event = self._events[index]
                 self._handed[index] = True
@@ -593,6 +610,20 @@ class LoadStream:
         while count < self.num_layers and self._handed[count]:
             count += 1
         return count
+
+    def _revoke(self) -> LoadError:
+        """End the load: its keys were destroyed while it ran (see ``KeyGuard``)."""
+        with self._lock:
+            if self._failed is None:
+                delivered = self._delivered()
+                self._failed = LoadRevokedError(
+                    "the tenant was deleted, or a data-key version this load reads was retired, "
+                    f"while it ran ({delivered} layers from layer 0 had been delivered)",
+                    delivered_layers=delivered,
+                )
+            error = self._failed
+        self.close()
+        return error
 
     def _fail(self, failure: ExtentFailure) -> LoadError:
         with self._lock:

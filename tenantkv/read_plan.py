@@ -19,6 +19,8 @@ class PlannedExtent:
     extent_id: str
     geometry: ExtentGeometry
     cipher: ExtentCipher
+    #: The data-key version it is sealed with (a load stops if that version is retired).
+    key_version: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import numpy.typing as npt
 import torch
 
 from .errors import InvalidRequestError
+from .tensor_checks import check_dense
 
 TokenArray = npt.NDArray[np.uint32]
 MAX_TOKEN_ID = 2**32 - 1
@@ -24,6 +25,7 @@ def as_token_array(tokens: Any) -> TokenArray:
     floats, nested sequences and ids outside [0, 2**32) are refused.
     """
     if isinstance(tokens, torch.Tensor):
+        check_dense("tokens", tokens)
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidRequestError(f"tokens must be integers, got a tensor of {tokens.dtype}")
         values: np.ndarray[Any, Any] = tokens.detach().to("cpu").numpy()

@@ -149,6 +149,23 @@ MLA_BAD_LAYERS: dict[str, tuple[LayersCase, str]] = {
         lambda lay, n: _replace(_mla_layers(lay, n), 2, _mla_layers(lay, n)[2][:-1]),
         r"layer 2 has shape \[127, 40\]",
     ),
+    # Tensors without ordinary memory: PyTorch's own errors would escape from deep inside.
+    "meta-layer": (
+        lambda lay, n: _replace(
+            _mla_layers(lay, n), 1, torch.empty(n, 40, dtype=lay.dtype, device="meta")
+        ),
+        r"layer 1 is on the meta device",
+    ),
+    "sparse-coo-layer": (
+        lambda lay, n: _replace(_mla_layers(lay, n), 2, _mla_layers(lay, n)[2].to_sparse()),
+        r"layer 2 has layout torch.sparse_coo",
+    ),
+    "sparse-csr-layer": (
+        lambda lay, n: _replace(
+            _mla_layers(lay, n), 0, _mla_layers(lay, n)[0].float().to_sparse_csr().to(lay.dtype)
+        ),
+        r"layer 0 has layout torch.sparse_csr",
+    ),
 }
 
 
@@ -231,6 +248,22 @@ MHA_BAD_LAYERS: dict[str, tuple[LayersCase, str]] = {
         lambda lay, n: _mha_layers(lay, n + BLOCK_TOKENS),
         r"layer 0 k has shape \[192, 2, 8\].*\[128, 2, 8\]",
     ),
+    "meta-v": (
+        lambda lay, n: _replace(
+            _mha_layers(lay, n),
+            1,
+            (_mha_layers(lay, n)[1][0], torch.empty(*_kv_shape(n), dtype=lay.dtype, device="meta")),
+        ),
+        r"layer 1 v is on the meta device",
+    ),
+    "sparse-k": (
+        lambda lay, n: _replace(
+            _mha_layers(lay, n),
+            0,
+            (_mha_layers(lay, n)[0][0].to_sparse(), _mha_layers(lay, n)[0][1]),
+        ),
+        r"layer 0 k has layout torch.sparse_coo",
+    ),
 }
 
 
@@ -283,6 +316,8 @@ BAD_TOKENS: dict[str, tuple[Any, str]] = {
     "string-numpy": (np.asarray(["a"] * 128), r"tokens must be integers"),
     "none": (None, r"tokens must be a list of ints.*got NoneType"),
     "dict": ({0: 1}, r"tokens must be a list of ints.*got dict"),
+    "meta-tensor": (torch.empty(128, dtype=torch.int64, device="meta"), r"tokens is on the meta"),
+    "sparse-tensor": (torch.tensor(_VALID).to_sparse(), r"tokens has layout torch.sparse_coo"),
 }
 
 
@@ -461,6 +496,111 @@ def test_load_of_uncached_prefix(kv: TenantKV, mla: Namespace) -> None:
     theirs = kv.namespace("other", model="bad-input", layout=MLA_SMALL)
     check_rejected_load(kv, theirs, cached, tenantkv.CacheMissError, r"only 0 of 128 tokens")
     assert len(load_all(mla, cached)) == MLA_SMALL.num_layers  # positive control
+
+
+# ---- load into out= buffers ---------------------------------------------------------------------
+
+_FILL = -7.0  # what every out= buffer holds before a load; a rejected load leaves it so
+
+
+def _out_mla(rows: int = 128) -> list[torch.Tensor]:
+    return [torch.full((rows, 40), _FILL, dtype=MLA_SMALL.dtype) for _ in range(3)]
+
+
+def _overlapping_views() -> list[torch.Tensor]:
+    pool = torch.full((400, 40), _FILL, dtype=MLA_SMALL.dtype)
+    return [pool[0:128], pool[200:328], pool[100:228]]  # the third overlaps the first two
+
+
+def _overlapping_k_v() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (128, MHA_SMALL.num_kv_heads, MHA_SMALL.head_dim)
+    pool = torch.full((300, *shape[1:]), _FILL, dtype=MHA_SMALL.dtype)
+    other = [torch.full(shape, _FILL, dtype=MHA_SMALL.dtype) for _ in range(2)]
+    return [(pool[0:128], pool[64:192]), (other[0], other[1])]  # k and v of layer 0 overlap
+
+
+BAD_OUT: dict[str, tuple[str, Callable[[], list[Any]], str]] = {
+    "meta-buffer": (
+        "mla",
+        lambda: [*_out_mla()[:2], torch.empty(128, 40, dtype=MLA_SMALL.dtype, device="meta")],
+        r"out\[2\] is on the meta device",
+    ),
+    "sparse-buffer": (
+        "mla",
+        lambda: [_out_mla()[0], _out_mla()[1].to_sparse(), _out_mla()[2]],
+        r"out\[1\] has layout torch.sparse_coo",
+    ),
+    "overlapping-views": ("mla", _overlapping_views, r"out\[2\] shares memory with out\[0\]"),
+    "same-buffer-twice": (
+        "mla",
+        lambda: (lambda b: [b[0], b[1], b[0][10:]])(_out_mla(138)),
+        r"out\[2\] shares memory with out\[0\]",
+    ),
+    "overlapping-k-v": ("mha", _overlapping_k_v, r"out\[0\] v shares memory with out\[0\] k"),
+}
+
+
+def _filled(out: list[Any]) -> bool:
+    tensors = [t for entry in out for t in (entry if isinstance(entry, tuple) else (entry,))]
+    return all(t.is_meta or t.is_sparse or bool((t == _FILL).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OUT))
+def test_bad_out_buffers_rejected_before_anything_is_loaded(
+    kv: TenantKV, mla: Namespace, mha: Namespace, case: str
+) -> None:
+    """Meta, sparse and overlapping out= buffers are an InvalidRequestError before any read:
+    no buffer was written, the cache is unchanged; the same load into proper buffers works."""
+    which, make, match = BAD_OUT[case]
+    ns = mla if which == "mla" else mha
+    tokens = random_tokens(128, seed=35)
+    layers = random_layers(ns.layout, 128, seed=35)
+    assert ns.store(tokens, layers) == 128
+    out = make()
+    check_rejected_load(kv, ns, tokens, tenantkv.InvalidRequestError, match, out=out)
+    assert _filled(out), "a rejected load wrote into an out= buffer"
+    # Positive control: disjoint views of one pool are fine, and receive the layers.
+    if which == "mla":
+        pool = torch.full((3 * 128, 40), _FILL, dtype=MLA_SMALL.dtype)
+        good: list[Any] = [pool[i * 128 : (i + 1) * 128] for i in range(3)]
+    else:
+        shape = (128, MHA_SMALL.num_kv_heads, MHA_SMALL.head_dim)
+        pool = torch.full((4 * 128, *shape[1:]), _FILL, dtype=MHA_SMALL.dtype)
+        good = [
+            (pool[2 * i * 128 : (2 * i + 1) * 128], pool[(2 * i + 1) * 128 : (2 * i + 2) * 128])
+            for i in range(2)
+        ]
+    with ns.load(tokens, out=good) as stream:
+        received = [layer for _index, layer in stream]
+    for got, want in zip(received, layers, strict=True):
+        if isinstance(want, tuple):
+            assert isinstance(got, tuple)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+
+
+def test_out_buffer_sharing_memory_with_the_tokens_is_rejected(
+    kv: TenantKV, mla: Namespace
+) -> None:
+    tokens = random_tokens(128, seed=36)
+    mla.store(tokens, random_layers(MLA_SMALL, 128, seed=36))
+    out = _out_mla()
+    out[1].zero_()
+    aliased = out[1].view(torch.int32).flatten()[:128]  # token ids 0: a valid, uncached prefix
+    mla.store(aliased.tolist(), random_layers(MLA_SMALL, 128, seed=37))
+    check_rejected_load(
+        kv,
+        mla,
+        aliased,
+        tenantkv.InvalidRequestError,
+        r"(tokens|out\[1\]) shares memory with (out\[1\]|tokens)",
+        out=out,
+    )
+    # Positive control: the same tokens as a copy load into the same buffers.
+    with mla.load(aliased.clone(), out=out) as stream:
+        assert len([layer for _i, layer in stream]) == 3
+    assert not _filled(out)
 
 
 def test_load_of_partially_cached_prefix(kv: TenantKV, mla: Namespace) -> None:

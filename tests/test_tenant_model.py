@@ -508,6 +508,7 @@ class TenantMachine(RuleBasedStateMachine):
             "skipped_in_use": 0,
             "retired_versions": sorted(model.key_versions - {model.key_version}),
             "extents_on_old_keys": 0,
+            "scrub_complete": True,  # no other connection reads meanwhile
         }
         for extent in old:
             # Re-sealing keeps the blocks the index still points to (blocks re-stored after the

@@ -770,6 +770,7 @@ def test_retire_reseals_old_extents_and_destroys_old_keys(
         "skipped_in_use": 0,
         "retired_versions": [1],
         "extents_on_old_keys": 0,
+        "scrub_complete": True,
     }
     extents = extents_of(cache, tid)
     assert len(extents) == 3 and current_id in extents

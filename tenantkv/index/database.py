@@ -12,16 +12,23 @@ import contextlib
 import sqlite3
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, MetaData, create_engine, event, select, text
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event, make_url, select, text
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from ..audit import AuditBase
-from .schema import Base, SchemaInfo
+from ..private_files import private_sqlite_files
+from .schema import Base, DataKey, SchemaInfo
+from .schema import Namespace as NamespaceRow
 
 SCHEMA_VERSION = "1"
+_BUSY_TIMEOUT_MS = 30000
+_SCRUB_RETRY_S = 0.1
 _IMMEDIATE = "tenantkv_immediate"
 # PostgreSQL advisory locks, named per schema: "open" is held while a process creates or checks
 # the index's tables and settings on opening, "ddl" while it creates tables; take_turns() names
@@ -51,7 +58,7 @@ def _configure_sqlite(engine: Engine) -> None:
         _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
         # Deleted rows (a crypto-shredded tenant's wrapped keys) are overwritten, not just freed.
         cursor.execute("PRAGMA secure_delete=ON")
         cursor.close()
@@ -62,6 +69,26 @@ def _configure_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def _private_database_file(url: str) -> None:
+    """Create a SQLite index file 0600 before SQLite does (it would use 0644 less the umask, and
+    give the -wal and -shm files the same mode), or make an existing one owner-only: the index
+    holds tenant names, metering, the audit log and the token table."""
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    if path.parent.is_dir():  # otherwise SQLite's own error says what is missing
+        private_sqlite_files(path)
+
+
+@dataclass(frozen=True)
+class LogScrub:
+    """Whether :meth:`Database.scrub_log` made deletions final on disk, and what it found."""
+
+    complete: bool
+    detail: str
+
+
 class Database:
     """Owns the engine; hands out read and write sessions."""
 
@@ -69,6 +96,8 @@ class Database:
         self.url = url
         is_sqlite = url.startswith("sqlite")
         connect_args: dict[str, Any] = {"check_same_thread": False} if is_sqlite else {}
+        if is_sqlite:
+            _private_database_file(url)
         self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
         if is_sqlite:
             _configure_sqlite(self.engine)
@@ -160,12 +189,85 @@ class Database:
             return postgresql.insert(table).on_conflict_do_nothing()
         raise NotImplementedError(f"database dialect {self.dialect!r} is not supported")
 
-    def scrub_log(self) -> None:
-        """Make deletions final on disk: on SQLite, copy the write-ahead log into the database
-        and truncate it, so deleted rows' old contents do not linger in the -wal file."""
-        if self.dialect == "sqlite":
-            with self.engine.connect() as connection:
-                connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    def scrub_log(self, timeout: float = 2.0) -> LogScrub:
+        """Make deletions final in the index's files, retrying for up to ``timeout`` seconds;
+        say whether that succeeded.
+
+        SQLite (``secure_delete`` zeroes deleted rows in their pages): checkpoint the
+        write-ahead log into the database and truncate it, so the old page images that still
+        hold deleted rows (a shredded tenant's wrapped keys) leave the ``-wal`` file. That
+        cannot complete while another connection reads an older snapshot, which still needs
+        those pages; the checkpoint's result row (busy, log, checkpointed) tells.
+
+        PostgreSQL: ``VACUUM`` the key tables, which removes the deleted rows' dead tuples
+        unless a transaction older than the deletion still runs; their count left afterwards
+        (``pg_stat_user_tables.n_dead_tup``) tells. What VACUUM cannot reach (WAL segments,
+        archives, replicas, backups, freed space not yet reused) is in docs/architecture.md.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.dialect == "sqlite":
+                outcome = self._checkpoint(deadline)
+            elif self.dialect == "postgresql":
+                outcome = self._vacuum_key_tables()
+            else:
+                return LogScrub(False, f"no scrub for {self.dialect}")
+            if outcome.complete or time.monotonic() >= deadline:
+                return outcome
+            time.sleep(_SCRUB_RETRY_S)
+
+    def _checkpoint(self, deadline: float) -> LogScrub:
+        # A raw connection: SQLAlchemy would wrap the pragma in a BEGIN. Its busy timeout is
+        # lowered for the checkpoint, which otherwise waits 30 s for every reader to finish.
+        connection = self.engine.raw_connection()
+        try:
+            cursor = connection.cursor()
+            try:
+                wait_ms = int(max(0.0, min(_SCRUB_RETRY_S, deadline - time.monotonic())) * 1000)
+                cursor.execute(f"PRAGMA busy_timeout={wait_ms}")
+                busy, log, done = cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+                cursor.close()
+        except sqlite3.Error as err:  # the deletion has committed: report, do not raise
+            return LogScrub(False, f"the write-ahead log checkpoint failed: {err}")
+        finally:
+            connection.close()
+        if busy or log != done:
+            return LogScrub(
+                False,
+                f"the write-ahead log could not be truncated (busy={busy}, {done} of {log} "
+                "pages checkpointed): another connection holds an older read snapshot",
+            )
+        return LogScrub(True, "write-ahead log checkpointed and truncated")
+
+    def _vacuum_key_tables(self) -> LogScrub:
+        tables = [DataKey.__tablename__, NamespaceRow.__tablename__]
+        autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        with autocommit.connect() as connection:  # VACUUM cannot run in a transaction
+            # Not behind another VACUUM (autovacuum) for long: scrub_log retries instead.
+            connection.exec_driver_sql(f"SET lock_timeout = {int(_SCRUB_RETRY_S * 1000)}")
+            try:
+                for table in tables:
+                    connection.exec_driver_sql(f'VACUUM "{table}"')
+            except OperationalError as err:  # lock_timeout
+                return LogScrub(False, f"VACUUM of the key tables waited too long: {err}")
+            finally:
+                connection.exec_driver_sql("RESET lock_timeout")
+            left = connection.execute(
+                text(
+                    "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
+                    "WHERE schemaname = current_schema() AND relname = ANY(:tables)"
+                ),
+                {"tables": tables},
+            ).scalar_one()
+        if left:
+            return LogScrub(
+                False,
+                f"{left} dead row versions of key tables survived VACUUM: a transaction "
+                "older than the deletion still runs",
+            )
+        return LogScrub(True, "key tables vacuumed")
 
     def schema_version(self) -> str | None:
         with self.read() as session:

@@ -25,6 +25,7 @@ from ..index import tenants as tenant_rows
 from ..index.quota import lock_tenants
 from ..metering import BUCKET_SECONDS, read_usage
 from ..storage import StorageError
+from .shredding import retry_pending_scrub
 
 logger = logging.getLogger("tenantkv")
 Progress = Callable[[int, int], None]  # (done, total)
@@ -79,6 +80,7 @@ def collect(
         _audit_maintenance(ctx, now)
     except SQLAlchemyError as err:  # metering and summaries are retried at the next run
         logger.warning("metering flush or audit maintenance failed: %s", err)
+    retry_pending_scrub(ctx)  # shredded keys a reader's snapshot kept in the index's files
     return GcReport(len(expired), removed_bytes, orphans, temporary)
 
 

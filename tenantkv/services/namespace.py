@@ -39,6 +39,7 @@ from ..index.plan import ExtentRow, locate_blocks, record_use
 from ..index.quota import Evicted, make_room
 from ..index.schema import Extent
 from ..index.schema import Namespace as NamespaceRow
+from ..key_guard import KeyGuard
 from ..layout import KVLayout
 from ..load_targets import LoadTarget
 from ..loader import ExtentFailure, LoadStream, open_readers
@@ -459,11 +460,20 @@ class Namespace:
             block_rows,
             self._ctx.runtime.layer_pool,
             block_tokens=self.block_tokens,
+            inputs=[tokens] if isinstance(tokens, torch.Tensor) else (),
         )
+        revocations = self._ctx.keys.revocations  # before the plan reads the keys
         try:
             plan, lease = self._plan_and_lease(keys)
         except SQLAlchemyError as err:
             raise self._ctx.serving.load_unavailable(err) from err
+        guard = KeyGuard(
+            self._ctx.index,
+            lambda: self._ctx.keys.revocations,
+            self.identity.tenant_id,
+            {extent.key_version for extent in plan.extents},
+            seen=revocations,
+        )
         try:
             readers = open_readers(self._ctx.blocks, plan)
         except ExtentFailure as failure:
@@ -493,6 +503,8 @@ class Namespace:
                 window=self._ctx.runtime.window,
                 workers=self._ctx.runtime.workers,
                 on_failure=self._handle_failure,
+                # A deletion or key retirement ends the load before its next layer.
+                keys_exist=guard.keys_exist,
                 # Record the use after the load, off its critical path (the index write would
                 # otherwise compete for the interpreter with the first layer's workers).
                 on_close=lambda stream: self._finish_load(stream, lease, extent_ids, started),
@@ -604,7 +616,7 @@ class Namespace:
         data_key = self._ctx.keys.data_key(tenant_id, row.key_version, row.wrapped_key)
         context = SegmentContext(tenant_id, row.key_version, self.identity.namespace_id)
         cipher = ExtentCipher(data_key, row.salt, context, geometry.suite)
-        return PlannedExtent(row.extent_id, geometry, cipher)
+        return PlannedExtent(row.extent_id, geometry, cipher, row.key_version)
 
     def _finish_load(
         self, stream: LoadStream, lease: bytes, extent_ids: list[str], started: float

@@ -23,6 +23,7 @@ from ..index import tenants as tenant_rows
 from ..index.quota import lock_tenants
 from ..index.schema import Extent
 from ..storage import StorageError
+from .shredding import scrub_after_shredding
 
 
 @dataclass(frozen=True)
@@ -163,4 +164,5 @@ def retire_keys(ctx: CacheContext, name: str, by: Attribution) -> dict[str, Any]
         }
         ctx.audit.append(session, by.event(name, KEYS_RETIRE, name, details=result))
     ctx.keys.forget_versions(tenant_id, retired)
-    return result
+    scrubbed = not retired or scrub_after_shredding(ctx, f"retiring keys of {name!r}")
+    return {**result, "scrub_complete": scrubbed}

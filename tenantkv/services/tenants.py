@@ -29,6 +29,7 @@ from ..retention import dumps as dumps_retention
 from ..retention import loads as loads_retention
 from ..retention import parse_retention
 from .evictions import discard_evicted
+from .shredding import scrub_after_shredding
 
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -232,8 +233,8 @@ def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
                 tenant_id=tenant_id,  # the row is gone by now: name the incarnation
             ),
         )
-    ctx.index.scrub_log()
-    ctx.keys.forget_tenant(tenant_id, namespace_ids)
+    ctx.keys.forget_tenant(tenant_id, namespace_ids)  # running loads of it stop here too
+    scrub_after_shredding(ctx, f"deleting tenant {name!r}")
     ctx.meter.forget_tenant(tenant_id)
     return ctx.remover.remove_bytes(extent_ids)
 

@@ -73,6 +73,9 @@ class KeyRetirement(BaseModel):
     skipped_in_use: int
     retired_versions: list[int]
     extents_on_old_keys: int
+    #: False when the destroyed keys may still be in the index's files (a reader's snapshot
+    #: kept them); the next GC run retries (health counter scrub_pending).
+    scrub_complete: bool
 
 
 class UsageOut(BaseModel):
