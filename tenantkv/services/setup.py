@@ -12,14 +12,14 @@ _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
 
 
 def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
-    """Create the schema, check the master key, make the audit signing key and the initial
-    capacity, and read the key epoch."""
+    """Create the schema, check the master key, prepare the audit log (signing key, MAC
+    columns of an older index) and the initial capacity, and read the key epoch."""
     # Nodes starting together on one index check or create its settings one after another.
     with ctx.index.opening():
         ctx.index.create_schema()
         check_master_key(ctx, wrapper)
         with ctx.index.write() as session:
-            ctx.audit.ensure_signing_key(session)
+            ctx.audit.prepare(session)  # also upgrades an older index's audit tables
         init_capacity(ctx)
     ctx.key_epoch.check()
 
