@@ -91,7 +91,12 @@ class AnchorFile:
         if sealed is None or sealed[1] != SIGNATURE_FIELD:
             raise AuditChainError(f"{where}: a line is not a signed checkpoint (edited)")
         body_text, _, signature = sealed
-        body = json.loads(body_text)
+        try:
+            body = json.loads(body_text)
+        except ValueError:
+            raise AuditChainError(f"{where}: a line is not JSON (edited)") from None
+        if not isinstance(body, dict) or body.get("type") != "checkpoint":
+            raise AuditChainError(f"{where}: a line is not a checkpoint (edited)")
         if body.get("key_id") != signer.key_id:
             raise AuditChainError(
                 f"{where}: a checkpoint names signing key {body.get('key_id')!r}, the database "
