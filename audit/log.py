@@ -1,4 +1,4 @@
-"""The audit log: append in the caller's transaction, checkpoint, export, purge.
+"""The audit log: append in the caller's transaction, checkpoint, export, purge, anchor.
 
 :class:`AuditLog` holds no connection and no state but its signing-key cache: every method takes
 the caller's SQLAlchemy session, so a record commits or rolls back together with the action it
@@ -11,13 +11,17 @@ the head. Two nodes appending to one chain therefore queue on the head row and t
 gapless; if they somehow did not, the (chain, seq) primary key would refuse the second record
 rather than let the chain fork.
 
+**Integrity.** Records and heads carry MACs keyed from the master key, and committed heads are
+anchored in a file outside the database; every signing step checks them first (``macs.py``,
+``anchors.py``, ``integrity.py``, docs/audit.md).
+
 **Retention.** :meth:`purge_expired` removes, per chain, the oldest run of records whose time is
 before ``now - retention_seconds`` (one year by default, independent of the cache's own
 retention). It only ever cuts a chain's *prefix*, so what remains still links up: an export then
-starts at a record whose ``prev_hash`` names a purged record; the verifier takes that
-``prev_hash`` as the chain's anchor (reporting that the chain does not start at genesis), and the
-checkpoint signed for the export pins the run's head and its length, so nothing at either end can
-be cut unnoticed. A record with an old caller-supplied time that sits after newer records is kept
+starts at a record whose ``prev_hash`` names a purged record; a signed purge statement (first
+kept seq, that ``prev_hash``), stored per chain and carried by the export, is what lets the
+verifier accept that start, and the checkpoint signed for the export pins the run's head and its
+length, so nothing at either end can be cut unnoticed. A record with an old caller-supplied time that sits after newer records is kept
 until everything before it has expired. Each purge is itself recorded on the system chain
 (``audit.purge``, with the first seq each chain kept), so the gap is explained by the log.
 """
