@@ -21,9 +21,10 @@ retention). It only ever cuts a chain's *prefix*, so what remains still links up
 starts at a record whose ``prev_hash`` names a purged record; a signed purge statement (first
 kept seq, that ``prev_hash``), stored per chain and carried by the export, is what lets the
 verifier accept that start, and the checkpoint signed for the export pins the run's head and its
-length, so nothing at either end can be cut unnoticed. A record with an old caller-supplied time that sits after newer records is kept
-until everything before it has expired. Each purge is itself recorded on the system chain
-(``audit.purge``, with the first seq each chain kept), so the gap is explained by the log.
+length, so nothing at either end can be cut unnoticed. A record with an old caller-supplied time
+that sits after newer records is kept until everything before it has expired. Each purge is
+itself recorded on the system chain (``audit.purge``, with the first seq each chain kept), so the
+gap is explained by the log.
 """
 
 from __future__ import annotations
