@@ -18,7 +18,7 @@ time) is included rather than punching a hole in the chain.
     record seq=first ... record seq=last      hash-chained (see canonical.py)
       with every stored checkpoint of the chain in [first, last] and the chain's latest
       anchored checkpoint right after its record, ordered by (time_us, signature); stored
-      checkpoints past `last` (only in an export without `until`) after the last record
+      checkpoints past the chain's head (export without `until`) after the last record
     checkpoint                                signed now: head = record `last`, count = records
     ...next chain...
     export trailer                            signed now: tenant, since/until, and per chain
@@ -276,9 +276,10 @@ class ChainEvidence:
     ``purge``: the chain's signed purge statement, written before the block's first record when
     the block starts where the purge cut. ``checkpoints``: signed checkpoints that are not stored
     checkpoints inside the block's range -- the latest anchored one, and any stored past the
-    block's last record -- merged into the block in checkpoint order; one past the last record
-    lands after it, where the verifier reports that records are missing. ``check``: called with
-    every record before it is written (the MAC check), raising to abort the export.
+    chain's head (left there when records were deleted and the head rewound) -- merged into the
+    block in checkpoint order; one past the last record lands after it, where the verifier
+    reports that records are missing. ``check``: called with every record before it is written
+    (the MAC check), raising to abort the export.
     """
 
     purge: PurgeStatement | None = None

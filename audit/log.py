@@ -423,10 +423,18 @@ class AuditLog:
     ) -> dict[str, ChainEvidence]:
         """Check the chains an export covers (raising :class:`AuditChainError`) and gather
         what the export carries beyond their records: purge statements, the latest anchored
-        checkpoints, stored checkpoints past the last record, and the record MAC check."""
+        checkpoints, stored checkpoints past the chain's head, and the record MAC check."""
         chains = [r.chain for r in ranges]
         anchored = {} if self.anchors is None else self.anchors.latest(signer)
         scope = set(chains) | (set(anchored) if every_chain else set())
+        # Stored checkpoints past each block's last record, read *before* the heads: one that
+        # a concurrent append and checkpoint committed meanwhile is then at or below the head
+        # read next, and is left out; one above the head can only mean records were removed.
+        tails = {
+            r.chain: list(paged_checkpoints(session, r.chain, r.last + 1, _NO_SEQ, page_size))
+            for r in ranges
+            if to_the_end
+        }
         heads = read_heads(session, scope)
         purges = read_purges(session, scope)
         for chain in sorted(scope):
@@ -443,8 +451,7 @@ class AuditLog:
             anchor = anchored.get(r.chain)
             if anchor is not None and r.first <= anchor.seq <= r.last:
                 extra.append(anchor)
-            if to_the_end:  # a stored checkpoint past the last record means records are gone
-                extra += paged_checkpoints(session, r.chain, r.last + 1, _NO_SEQ, page_size)
+            extra += [c for c in tails.get(r.chain, []) if c.seq > heads[r.chain].last_seq]
             evidence[r.chain] = ChainEvidence(
                 purge=purges.get(r.chain),
                 checkpoints=tuple(extra),
