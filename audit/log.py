@@ -354,7 +354,9 @@ class AuditLog:
         ``source`` is an open session or a session factory such as ``Database.read`` (one
         short transaction per page). ``tenant=None`` exports every chain; ``since``/``until``
         (seconds since the epoch) bound record times as ``since <= time < until``. Arguments are
-        checked now; the database is read lazily as lines are consumed. JSONL needs the signing
+        checked now; the database is read lazily as lines are consumed. A JSONL export raises
+        :class:`AuditChainError` (at the first line, or at a record) when the database fails the
+        integrity checks (MACs, anchors: docs/audit.md). JSONL needs the signing
         key: it is created on first use, which writes, so call :meth:`ensure_signing_key` first
         when exporting through read-only sessions.
         """
@@ -398,7 +400,7 @@ class AuditLog:
             yield from siem_lines(source, ranges, fmt, page_size)
             return
         if not isinstance(source, Session):  # fresh transactions: only committed heads
-            self.anchor(source)
+            self.anchor(source, chains=[r.chain for r in ranges])
         yield from jsonl_lines(
             source,
             ranges,
@@ -459,12 +461,15 @@ class AuditLog:
             )
         return evidence
 
-    def anchor(self, source: SessionSource) -> list[Checkpoint]:
-        """Append a signed checkpoint of every chain whose head moved to the anchor file.
+    def anchor(self, source: SessionSource, chains: list[str] | None = None) -> list[Checkpoint]:
+        """Append a signed checkpoint of every chain (or of ``chains``) whose head moved to the
+        anchor file.
 
-        Checks first that every head carries its MAC and that no chain is behind, or differs
-        from, its latest anchor (raising :class:`AuditChainError`, appending nothing). Give it
-        a session factory, or a session whose transaction has committed what it reads: an
+        Checks first that those heads carry their MACs and that no chain is behind, or differs
+        from, its latest anchor (raising :class:`AuditChainError`, appending nothing); with
+        ``chains=None`` that includes anchored chains that vanished. An export anchors only the
+        chains it covers, so one tenant's export neither fails nor names another's chain. Give
+        it a session factory, or a session whose transaction has committed what it reads: an
         anchored head that is then rolled back would look like a truncation forever after.
         Without an anchor file it does nothing. Returns the checkpoints appended.
         """
@@ -473,7 +478,9 @@ class AuditLog:
         with use_session(source) as session:
             signer = self._keys.signer(session)
             anchored = self.anchors.latest(signer)
-            heads = read_heads(session)
+            if chains is not None:
+                anchored = {c: anchored[c] for c in chains if c in anchored}
+            heads = read_heads(session, chains)
             purges = read_purges(session, anchored)
             for head in heads.values():
                 head.check(signer)
