@@ -208,9 +208,21 @@ class AuditLog:
         """
         upgraded = add_missing_columns(session.connection())
         signer = self._keys.signer(session)
-        if upgraded:
+        if upgraded and not self._has_anchors():
             self._seal_legacy(session, signer)
+        # With anchors, this cache ran with MACs before: columns missing now were dropped, and
+        # sealing would launder whatever was done meanwhile. The heads stay without MACs, and
+        # every check reports them.
         return signer.key_id
+
+    def _has_anchors(self) -> bool:
+        """Whether this node has anchored anything (only a version with MACs does)."""
+        if self.anchors is None:
+            return False
+        try:
+            return self.anchors.path.stat().st_size > 0
+        except FileNotFoundError:
+            return False
 
     def _seal_legacy(self, session: Session, signer: Signer) -> None:
         heads = read_heads(session)

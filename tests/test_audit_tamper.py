@@ -367,3 +367,24 @@ def test_an_index_from_before_macs_is_upgraded_when_the_cache_prepares_it(
         upgraded.prepare(session)
     with pytest.raises(AuditChainError, match="no MAC"):
         list(upgraded.export(db.read, tenant="acme"))
+
+
+def test_dropping_the_mac_columns_does_not_get_the_heads_resealed(
+    db: Database, anchored: AuditLog
+) -> None:
+    """The upgrade trusts the database only on a node that never anchored: a cache that did
+    ran with MACs, so columns missing now were dropped to launder a change."""
+    append(db, anchored, 3)
+    assert report(db, anchored).ok  # positive control (and the export anchors seq 3)
+    with db.write() as session:
+        anchored.prepare(session)  # columns present: nothing to do
+    assert report(db, anchored).ok
+    new_head = rehash(db, 2, 3, actor="mallory")
+    sql(db, "UPDATE tkv_audit_heads SET last_hash = :h WHERE chain = :c", h=new_head, c=ACME)
+    for table in ("tkv_audit_records", "tkv_audit_heads"):
+        sql(db, f"ALTER TABLE {table} DROP COLUMN mac")
+    sql(db, "ALTER TABLE tkv_audit_heads DROP COLUMN mac_from_seq")
+    with db.write() as session:
+        anchored.prepare(session)  # adds the columns back, but seals nothing
+    with pytest.raises(AuditChainError, match="no MAC"):
+        list(anchored.export(db.read, tenant="acme"))
