@@ -194,3 +194,21 @@ def test_the_cache_anchors_its_audit_log_and_the_cli_refuses_a_rewound_chain(
     capsys.readouterr()
     assert main(["audit", "export", str(root), "--tenant", "acme", "--output", str(export)]) == 2
     assert "fails its MAC" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("index")
+def test_the_anchor_file_can_be_moved_out_of_the_root(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "anchors" / "kv.jsonl"
+    elsewhere.parent.mkdir()
+    config = tenantkv.CacheConfig.from_env(
+        {"TENANTKV_ROOT": str(tmp_path / "c"), "TENANTKV_AUDIT_ANCHOR_PATH": str(elsewhere)}
+    )
+    assert config.anchor_file == elsewhere
+    assert tenantkv.CacheConfig(root=tmp_path / "c").anchor_file == tmp_path / "c" / (
+        "audit-anchors.jsonl"
+    )
+    with tenantkv.open(config, durable=False) as kv:
+        kv.create_tenant("acme")
+        assert _actions(kv, "acme") == ["tenant.create"]  # the export anchors acme's chain
+    assert elsewhere.read_text().count("\n") == 1
+    assert not (tmp_path / "c" / "audit-anchors.jsonl").exists()
