@@ -42,6 +42,7 @@ from .events import (
     SEGMENT_OPEN_FAILED,
     SUCCESS,
     SYSTEM_CHAIN,
+    TENANT_CHAIN_PREFIX,
     TENANT_CREATE,
     TENANT_DELETE,
     TENANT_UPDATE,
@@ -50,6 +51,7 @@ from .events import (
     AuditEvent,
     Outcome,
     chain_for,
+    is_chain_of,
 )
 from .export import EXPORT_FORMATS, ExportFormat, SessionSource
 from .log import DEFAULT_RETENTION_SECONDS, AuditLog
@@ -86,6 +88,7 @@ __all__ = [
     "SIGNING_KEY_CONTEXT",
     "SUCCESS",
     "SYSTEM_CHAIN",
+    "TENANT_CHAIN_PREFIX",
     "TENANT_CREATE",
     "TENANT_DELETE",
     "TENANT_UPDATE",
@@ -112,5 +115,6 @@ __all__ = [
     "VerifyReport",
     "canonical_json",
     "chain_for",
+    "is_chain_of",
     "verify_export",
 ]

@@ -5,9 +5,13 @@ occurrence; ``AuditLog.append`` turns it into a hash-chained record. Fields are 
 when the event is built, so a malformed event fails at the call site before any transaction work
 is done.
 
-Each event lands in exactly one chain: ``"tenant:<name>"`` when ``tenant`` is set, else the system
-chain ``"system"``. A tenant's chain outlives the tenant (its deletion is recorded in it) and
-continues if the name is created again.
+Each event lands in exactly one chain: ``"tenant:<name>@<incarnation>"`` when ``tenant`` is set
+(``<incarnation>``: the first 16 hex digits of the tenant's immutable id, ``tenant_id``), else the
+system chain ``"system"``. A tenant's chain outlives the tenant (its deletion is recorded in it),
+but a tenant created again under the same name is another tenant and starts a chain of its own:
+its admins must not read their predecessor's token ids, request ids or purge scopes. An event
+about a tenant whose id is unknown (records written before incarnations existed, or about a name
+that no longer exists) lands in ``"tenant:<name>"``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ ROLE_SYSTEM: Final = "system"  # the cache acting on its own (retention, integri
 
 SYSTEM_CHAIN: Final = "system"
 TENANT_CHAIN_PREFIX: Final = "tenant:"
+INCARNATION_HEX: Final = 16  # "tenant:" + 128-character name + "@" + 16 fits the 160-char column
+_INCARNATION = re.compile(r"[0-9a-f]{16}")
 
 # Column widths of tkv_audit_records; checked here because PostgreSQL would abort the caller's
 # whole transaction on an over-long value, and SQLite would silently keep it.
@@ -75,9 +81,23 @@ MAX_REQUEST_ID = 128
 _ACTION = re.compile(r"[a-z0-9][a-z0-9_.-]*")
 
 
-def chain_for(tenant: str | None) -> str:
-    """The chain an event about ``tenant`` (None: the system) is appended to."""
-    return SYSTEM_CHAIN if tenant is None else TENANT_CHAIN_PREFIX + tenant
+def chain_for(tenant: str | None, tenant_id: bytes | None = None) -> str:
+    """The chain an event about ``tenant`` (None: the system) is appended to: the chain of the
+    incarnation ``tenant_id`` of that name when it is given."""
+    if tenant is None:
+        return SYSTEM_CHAIN
+    if tenant_id is None:
+        return TENANT_CHAIN_PREFIX + tenant
+    return f"{TENANT_CHAIN_PREFIX}{tenant}@{tenant_id.hex()[:INCARNATION_HEX]}"
+
+
+def is_chain_of(chain: str, tenant: str | None) -> bool:
+    """Whether ``chain`` holds records about ``tenant``: its unbound chain or the chain of any
+    of its incarnations (what an export of that tenant's name may contain)."""
+    base = chain_for(tenant)
+    if chain == base or tenant is None:
+        return chain == base
+    return chain.startswith(base + "@") and bool(_INCARNATION.fullmatch(chain[len(base) + 1 :]))
 
 
 def _check_text(name: str, value: object, limit: int, *, empty: bool = False) -> None:
@@ -118,6 +138,8 @@ class AuditEvent:
     request_id: str | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
     time: float | None = None
+    #: The tenant's immutable id, which picks its incarnation's chain (see the module docstring).
+    tenant_id: bytes | None = None
 
     def __post_init__(self) -> None:
         _check_text("actor", self.actor, MAX_ACTOR)
@@ -139,10 +161,14 @@ class AuditEvent:
         normalise_details(self.details)  # refuse what cannot be hashed exactly, now
         if self.time is not None:
             to_microseconds(self.time)
+        if self.tenant_id is not None and (
+            self.tenant is None or not isinstance(self.tenant_id, bytes) or not self.tenant_id
+        ):
+            raise AuditRequestError("tenant_id needs a tenant and must be non-empty bytes")
 
     @property
     def chain(self) -> str:
-        return chain_for(self.tenant)
+        return chain_for(self.tenant, self.tenant_id)
 
 
 @dataclass(frozen=True)
@@ -166,6 +192,7 @@ class Attribution:
         *,
         outcome: Outcome = "success",
         details: Mapping[str, Any] | None = None,
+        tenant_id: bytes | None = None,
     ) -> AuditEvent:
         return AuditEvent(
             actor=self.actor,
@@ -176,4 +203,5 @@ class Attribution:
             outcome=outcome,
             request_id=self.request_id,
             details=dict(details or {}),
+            tenant_id=tenant_id,
         )

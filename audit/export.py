@@ -5,8 +5,10 @@ An export never holds more than one page of records in memory: it walks each cha
 rather than a session it opens a short transaction per page, so a long export neither pins a
 read snapshot nor holds a connection while the consumer is slow.
 
-**Which records.** ``tenant="acme"`` exports the chain ``tenant:acme`` only; ``tenant=None``
-exports every chain (the system chain and all tenants), in chain-id order. A time range
+**Which records.** ``tenant="acme"`` exports the chains of that name (``tenant:acme`` and each
+incarnation's ``tenant:acme@<id>``), ``chain=`` one chain only (what the admin API gives a
+tenant-admin: its own incarnation's); ``tenant=None`` exports every chain (the system chain and
+all tenants), in chain-id order. A time range
 ``since <= time < until`` is mapped to one *contiguous* run of seqs per chain -- from the first
 record at or after ``since`` to the last record before ``until`` -- so the exported run always
 links up; a record inside that run whose own time lies outside the range (a caller-supplied
@@ -45,7 +47,7 @@ from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from .canonical import SIGNATURE_FIELD, canonical_json, sealed_line
-from .events import chain_for
+from .events import is_chain_of
 from .formats import cef_line, ocsf_line
 from .models import AuditChainHead, AuditCheckpointRow, AuditRecordRow
 from .records import (
@@ -90,19 +92,27 @@ def use_session(source: SessionSource) -> Iterator[Session]:
             yield session
 
 
-def _chains(session: Session, tenant: str | None) -> list[str]:
-    if tenant is not None:
-        return [chain_for(tenant)]
+def _chains(session: Session, tenant: str | None, chain: str | None) -> list[str]:
+    if chain is not None:
+        return [chain]
     # Sorted here, not in SQL: the order must be code-point order on every database collation.
-    return sorted(session.scalars(select(AuditChainHead.chain)))
+    every = sorted(session.scalars(select(AuditChainHead.chain)))
+    if tenant is None:
+        return every
+    return [each for each in every if is_chain_of(each, tenant)]  # every incarnation's
 
 
 def chain_ranges(
-    session: Session, tenant: str | None, since_us: int | None, until_us: int | None
+    session: Session,
+    tenant: str | None,
+    since_us: int | None,
+    until_us: int | None,
+    only: str | None = None,
 ) -> list[ChainRange]:
-    """The run of each chain in scope that an export from ``since`` to ``until`` covers."""
+    """The run of each chain in scope (``only`` that chain, if given) that an export from
+    ``since`` to ``until`` covers."""
     ranges: list[ChainRange] = []
-    for chain in _chains(session, tenant):
+    for chain in _chains(session, tenant, only):
         first_query = select(func.min(AuditRecordRow.seq)).where(AuditRecordRow.chain == chain)
         last_query = select(func.max(AuditRecordRow.seq)).where(AuditRecordRow.chain == chain)
         if since_us is not None:

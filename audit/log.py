@@ -45,7 +45,15 @@ from .anchors import AnchorFile
 from .canonical import GENESIS_HASH, canonical_json, record_body, sha256_hex, to_microseconds
 from .canonical import normalise_details as _normalise_details
 from .errors import AuditChainError, AuditRequestError
-from .events import AUDIT_PURGE, ROLE_SYSTEM, AuditEvent, chain_for, check_tenant
+from .events import (
+    AUDIT_PURGE,
+    ROLE_SYSTEM,
+    SYSTEM_CHAIN,
+    TENANT_CHAIN_PREFIX,
+    AuditEvent,
+    check_tenant,
+    is_chain_of,
+)
 from .export import (
     DEFAULT_PAGE_SIZE,
     EXPORT_FORMATS,
@@ -120,7 +128,7 @@ class AuditLog:
         """
         if not isinstance(event, AuditEvent):
             raise AuditRequestError(f"append takes an AuditEvent, not {type(event).__name__}")
-        chain = chain_for(event.tenant)
+        chain = event.chain
         time_us = to_microseconds(event.time if event.time is not None else self.clock())
         details = _normalise_details(event.details)
         signer = self._keys.signer(session)
@@ -360,11 +368,14 @@ class AuditLog:
         until: float | None = None,
         fmt: ExportFormat = "jsonl",
         page_size: int = DEFAULT_PAGE_SIZE,
+        chain: str | None = None,
     ) -> Iterator[str]:
         """Stream an export as lines without trailing newlines (see ``export.py``).
 
         ``source`` is an open session or a session factory such as ``Database.read`` (one
-        short transaction per page). ``tenant=None`` exports every chain; ``since``/``until``
+        short transaction per page). ``tenant=None`` exports every chain, ``tenant="acme"`` every
+        chain of that name (each incarnation's), ``chain`` only that chain (of ``tenant`` if
+        given); ``since``/``until``
         (seconds since the epoch) bound record times as ``since <= time < until``. Arguments are
         checked now; the database is read lazily as lines are consumed. A JSONL export raises
         :class:`AuditChainError` (at the first line, or at a record) when the database fails the
@@ -378,11 +389,16 @@ class AuditLog:
             raise AuditRequestError("page_size must be a positive integer")
         if tenant is not None:
             check_tenant(tenant)
+        if chain is not None and (
+            (tenant is not None and not is_chain_of(chain, tenant))
+            or not (chain == SYSTEM_CHAIN or chain.startswith(TENANT_CHAIN_PREFIX))
+        ):
+            raise AuditRequestError(f"{chain!r} is not a chain (of tenant {tenant!r})")
         since_us = None if since is None else to_microseconds(since)
         until_us = None if until is None else to_microseconds(until)
         if since_us is not None and until_us is not None and since_us >= until_us:
             raise AuditRequestError("since must be before until")
-        return self._export(source, tenant, since_us, until_us, fmt, page_size)
+        return self._export(source, tenant, since_us, until_us, fmt, page_size, chain)
 
     def _export(
         self,
@@ -392,9 +408,10 @@ class AuditLog:
         until_us: int | None,
         fmt: ExportFormat,
         page_size: int,
+        chain: str | None = None,
     ) -> Iterator[str]:
         with use_session(source) as session:
-            ranges = chain_ranges(session, tenant, since_us, until_us)
+            ranges = chain_ranges(session, tenant, since_us, until_us, chain)
             signer = self._keys.signer(session) if fmt == "jsonl" else None
             evidence = (
                 None
@@ -403,7 +420,10 @@ class AuditLog:
                     session,
                     signer,
                     ranges,
-                    every_chain=tenant is None and since_us is None and until_us is None,
+                    every_chain=tenant is None
+                    and chain is None
+                    and since_us is None
+                    and until_us is None,
                     to_the_end=until_us is None,
                     page_size=page_size,
                 )

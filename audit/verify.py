@@ -45,7 +45,7 @@ from .canonical import (
     split_sealed_line,
 )
 from .errors import AuditVerificationError
-from .events import chain_for
+from .events import is_chain_of
 from .signing import key_id_of, public_raw_of
 
 MAX_PROBLEMS = 200
@@ -275,7 +275,7 @@ class _Verifier:
             self.problem(
                 f"line {number}: {chain} seq {seq}: hash does not match the record (edited)"
             )
-        if chain != chain_for(body["tenant"]):
+        if not is_chain_of(chain, body["tenant"]):
             self.problem(f"line {number}: record of tenant {body['tenant']!r} filed in {chain!r}")
         block = self.block
         purge, self.pending_purge = self.pending_purge, None
@@ -465,7 +465,7 @@ class _Verifier:
                     f"{summary.chain}: its last checkpoint is not the one signed for this export "
                     "(checkpoint lines moved)"
                 )
-            if tenant is not None and summary.chain != chain_for(tenant):
+            if tenant is not None and not is_chain_of(summary.chain, tenant):
                 self.problem(f"chain {summary.chain} is in an export of tenant {tenant!r} only")
             if not summary.from_genesis and not summary.purged and since_us is None:
                 self.problem(

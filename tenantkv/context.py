@@ -20,6 +20,7 @@ from .crypto import KeyWrapper
 from .extent_removal import ExtentRemover
 from .health import HealthCounters
 from .incidents import SecurityIncidents
+from .index.audit_chains import TenantAuditLog
 from .index.database import Database
 from .keyring import Keyring
 from .metering import Meter
@@ -60,7 +61,7 @@ def build_context(
 ) -> CacheContext:
     """Wire the components together (nothing is read or written yet)."""
     keys = Keyring(key_wrapper)
-    audit = AuditLog(key_wrapper, clock=clock, anchor_path=config.anchor_file)
+    audit = TenantAuditLog(key_wrapper, clock=clock, anchor_path=config.anchor_file)
     attribution = Attribution(f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR)
     health = HealthCounters()
     remover = ExtentRemover(index, blocks)

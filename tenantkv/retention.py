@@ -24,6 +24,11 @@ MAX_RETENTION = 366 * 86400.0
 # A tenant's retention is stored as JSON text in a column of this many characters (models.py):
 # PostgreSQL refuses longer text where SQLite would keep it, so the limit is checked here.
 MAX_RETENTION_TEXT = 1024
+# At most this many classes per tenant, defaults included. Updates merge classes, so without a
+# cap a tenant-admin could grow its map with every PATCH; restarting retention and recording a
+# load's use each cover all classes in one statement, whose size this bounds. Short class names
+# fit 32 classes in the column; long ones meet MAX_RETENTION_TEXT first (both refused here).
+MAX_RETENTION_CLASSES = 32
 
 
 def parse_duration(value: Any) -> float:
@@ -63,6 +68,13 @@ def check_kind(kind: Any) -> str:
 
 
 def dumps(retention: Mapping[str, float]) -> str:
+    """The stored form of a tenant's whole retention map; every write of one comes here, so
+    the limits on what a tenant may keep are checked here, before anything is changed."""
+    if len(retention) > MAX_RETENTION_CLASSES:
+        raise InvalidRequestError(
+            f"retention of {len(retention)} classes is more than the {MAX_RETENTION_CLASSES} a "
+            "tenant may have (the defaults count); set existing classes instead of adding more"
+        )
     text = json.dumps(dict(sorted(retention.items())), separators=(",", ":"))
     if len(text) > MAX_RETENTION_TEXT:
         raise InvalidRequestError(

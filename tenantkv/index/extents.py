@@ -8,10 +8,21 @@ between leaves an unindexed file for the orphan sweep, never a row pointing at m
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import (
+    BindParameter,
+    Case,
+    Connection,
+    Float,
+    bindparam,
+    case,
+    delete,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from .schema import Block, Extent, Namespace
@@ -27,6 +38,26 @@ def delete_rows(session: Session, extent_ids: Collection[str]) -> None:
         batch = ids[start : start + CHUNK]
         session.execute(delete(Block).where(Block.extent_id.in_(batch)))
         session.execute(delete(Extent).where(Extent.id.in_(batch)))
+
+
+def retention_by_class(count: int) -> tuple[list[BindParameter[str]], Case[Any]]:
+    """The class names ``kind_0 .. kind_{count-1}`` as bound parameters and ``CASE kind WHEN
+    :kind_i THEN :ttl_i END``: the retention of each extent's class, so that one statement
+    restarts the retention of extents of every class (a statement per class made a tenant's
+    bookkeeping grow with the classes it chose). Bind the values with
+    :func:`retention_parameters`."""
+    kinds = [bindparam(f"kind_{i}", type_=Extent.kind.type) for i in range(count)]
+    ttls = [bindparam(f"ttl_{i}", type_=Float()) for i in range(count)]
+    return kinds, case(*zip(kinds, ttls, strict=True), value=Extent.kind)
+
+
+def retention_parameters(classes: Mapping[str, float]) -> dict[str, Any]:
+    """The values of :func:`retention_by_class` for ``classes`` (class -> seconds)."""
+    values: dict[str, Any] = {}
+    for i, (kind, ttl) in enumerate(sorted(classes.items())):
+        values[f"kind_{i}"] = kind
+        values[f"ttl_{i}"] = ttl
+    return values
 
 
 def tenant_of(session: Session, extent_id: str) -> bytes | None:

@@ -17,13 +17,15 @@ version was retired, which the caller must treat as a miss).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Dialect, Select, and_, bindparam, select, update
+from sqlalchemy import Connection, Dialect, Float, Select, Update, and_, bindparam, select, update
 
 from ..retention import loads as loads_retention
+from .extents import retention_by_class, retention_parameters
 from .schema import Block, DataKey, Extent, Tenant
 
 
@@ -163,21 +165,34 @@ def locate_blocks(
 _RETENTION = (
     select(Tenant.retention).where(Tenant.id == bindparam("tenant_id")).with_for_update(read=True)
 )
-_TOUCH = (
-    update(Extent)
-    .where(Extent.id.in_(bindparam("ids", expanding=True)), Extent.kind == bindparam("of_kind"))
-    .values(last_used_at=bindparam("used_at"), expires_at=bindparam("until"))
-)
+
+
+@functools.cache
+def _touch(classes: int) -> Update:
+    """The record-of-use statement for a tenant with ``classes`` retention classes (at most
+    ``retention.MAX_RETENTION_CLASSES``, so few are ever built): one UPDATE whatever the
+    number of classes, each extent's expiry taken from its own class."""
+    kinds, ttl = retention_by_class(classes)
+    used_at = bindparam("used_at", type_=Float())
+    return (
+        update(Extent)
+        .where(Extent.id.in_(bindparam("ids", expanding=True)), Extent.kind.in_(kinds))
+        .values(last_used_at=used_at, expires_at=used_at + ttl)
+    )
 
 
 def record_use(connection: Connection, tenant_id: bytes, extent_ids: list[str], now: float) -> None:
     """Mark a tenant's extents as used at ``now``: each one's retention (by its class) restarts
     and LRU eviction sees the use. Runs after a load, in the background -- but on 2 cores it
-    competes for the interpreter with the next load's first layer, hence Core statements."""
+    competes for the interpreter with the next load's first layer, hence Core statements, and
+    two of them (read the retention, update the extents) however many classes the tenant has."""
     retention_text = connection.execute(_RETENTION, {"tenant_id": tenant_id}).scalar()
     if retention_text is None:
         return  # the tenant was deleted meanwhile
-    for kind, ttl in loads_retention(retention_text).items():
-        connection.execute(
-            _TOUCH, {"ids": extent_ids, "of_kind": kind, "used_at": now, "until": now + ttl}
-        )
+    classes = loads_retention(retention_text)
+    if not classes or not extent_ids:
+        return
+    connection.execute(
+        _touch(len(classes)),
+        {"ids": extent_ids, "used_at": now, **retention_parameters(classes)},
+    )

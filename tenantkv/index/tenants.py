@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from .extents import retention_by_class, retention_parameters
 from .schema import DataKey, Extent, Namespace, Tenant
 
 
@@ -61,13 +62,19 @@ def add_data_key(
     session.flush()
 
 
-def restart_retention(session: Session, tenant_id: bytes, kind: str, ttl: float) -> None:
-    """Extents of class ``kind`` expire ``ttl`` after their last use."""
-    session.execute(
+def restart_retention(session: Session, tenant_id: bytes, classes: Mapping[str, float]) -> None:
+    """Extents of each class in ``classes`` (class -> seconds) expire that long after their
+    last use; extents of other classes keep their expiry. One statement for all classes."""
+    if not classes:
+        return
+    kinds, ttl = retention_by_class(len(classes))
+    statement = (
         update(Extent)
-        .where(Extent.tenant_id == tenant_id, Extent.kind == kind)
+        .where(Extent.tenant_id == tenant_id, Extent.kind.in_(kinds))
         .values(expires_at=Extent.last_used_at + ttl)
+        .execution_options(synchronize_session=False)
     )
+    session.execute(statement, retention_parameters(classes))
 
 
 def extent_ids(session: Session, tenant_id: bytes) -> list[str]:

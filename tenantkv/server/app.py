@@ -3,36 +3,90 @@ for ``tenantkv serve`` (uvicorn, loopback by default)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..api import TenantKV
 from . import errors
 from .auth import ensure_first_operator_token, ensure_schema
+from .body_limit import BodyLimit
+from .gate import AuthGate
 from .metrics import Metrics, RequestMiddleware
+from .refusals import RefusalLog
 from .routers import audit, system, tenants, tokens
 from .settings import Settings
 
 
 def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
-    """The app serving ``kv``; creates the token table if needed. The caller owns ``kv``."""
+    """The app serving ``kv``; creates the token table if needed. The caller owns ``kv``.
+
+    Requests pass, outermost first: the request id and metrics, the :class:`AuthGate` (401
+    before any body is read), the :class:`BodyLimit` (413), then the routes."""
     ensure_schema(kv)
+    config = settings or Settings()
+    refusals = RefusalLog(
+        kv,
+        window_seconds=config.refusal_window_seconds,
+        max_sources=config.refusal_max_sources,
+    )
     app = FastAPI(
         title="tenantkv admin API",
         version=__version__,
         description="Authenticated tenant management for tenantkv. See docs/admin-api.md.",
+        lifespan=_flushing(refusals),
     )
-    metrics = Metrics()
+    metrics = Metrics(refusals)
     app.state.kv = kv
-    app.state.settings = settings or Settings()
+    app.state.settings = config
     app.state.metrics = metrics
+    app.state.refusals = refusals
     errors.install(app)
     for module in (system, tenants, tokens, audit):
         app.include_router(module.router)
+    public = {"/healthz", app.openapi_url, app.docs_url, app.redoc_url}
+    if app.docs_url:
+        public.add(f"{app.docs_url}/oauth2-redirect")
+    if config.metrics_public:
+        public.add("/metrics")
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        AuthGate,
+        kv=kv,
+        refusals=refusals,
+        public={path for path in public if path},
+        routes=app.router.routes,
+    )
     app.add_middleware(RequestMiddleware, metrics=metrics)
     return app
+
+
+def _flushing(refusals: RefusalLog) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """A lifespan writing the refusal windows as they end, and the last one on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async def periodically() -> None:
+            while True:
+                await asyncio.sleep(refusals.window_seconds)
+                await run_in_threadpool(refusals.flush_due)
+
+        task = asyncio.create_task(periodically())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await run_in_threadpool(refusals.flush)
+
+    return lifespan
 
 
 def run(settings: Settings | None = None) -> None:

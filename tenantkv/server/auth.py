@@ -8,8 +8,16 @@ listings, audit records and revocation without revealing it; a holder can comput
 token.
 
 Roles: ``operator`` (every tenant, tokens, checkpoints), ``tenant-admin`` (its own tenant only),
-``auditor`` (read-only: audit exports and the public key). This module needs no web framework,
-so the CLI can make and revoke tokens without the server extras installed.
+``auditor`` (read-only: audit exports and the public key).
+
+A token is bound to its tenant's immutable id and to the token that minted it (see
+``tenantkv.index.api_tokens``): it is valid only while every token up its chain of minters is
+unrevoked and unexpired and its tenant still exists. :func:`verify_token` checks that chain at
+every request, and a mint checks its minter's chain again inside its own write transaction, with
+the tenant row share-locked, so a revocation or deletion that commits first wins.
+
+This module needs no web framework, so the CLI can make and revoke tokens without the server
+extras installed.
 """
 
 from __future__ import annotations
@@ -47,12 +55,14 @@ _TOKEN_ID = re.compile(r"[0-9a-f]{16}")
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the token's id, role and (for a tenant-admin) tenant."""
+    """Who is calling: the token's id, role and (for a tenant-admin) tenant, by name and by
+    immutable id."""
 
     token_id: str
     role: Role
     tenant: str | None
     expires_at: float | None = None
+    tenant_id: bytes | None = None
 
     @property
     def actor(self) -> str:
@@ -70,6 +80,7 @@ class TokenInfo:
     created_by: str
     expires_at: float | None
     revoked_at: float | None
+    minted_by: str | None = None  # the id of the token that minted it (None: the process/CLI)
 
 
 class AuthError(Exception):
@@ -82,8 +93,9 @@ class AuthError(Exception):
 
 
 def ensure_schema(kv: TenantKV) -> None:
-    """Create the admin API's tables next to the cache's (idempotent)."""
-    kv.context.index.create_tables(api_tokens.ServerBase.metadata)
+    """Create (or bring up to date) the admin API's tables next to the cache's (idempotent;
+    opening a cache does it already)."""
+    api_tokens.ensure_table(kv.context.index)
 
 
 def hash_token(token: str) -> str:
@@ -127,21 +139,32 @@ def insert_token(
     actor: str,
     actor_role: str,
     request_id: str | None = None,
+    minter: Principal | None = None,
 ) -> str:
-    """Make a token inside ``session``'s write transaction, audited in it; return the token."""
+    """Make a token inside ``session``'s write transaction, audited in it; return the token.
+
+    ``minter`` is the authenticated caller whose token makes this one (None: the cache's own
+    process). Its chain is checked again here, in the mint's own transaction, so a minter
+    revoked, or a tenant deleted, by a transaction that committed first cannot mint (AuthError,
+    or TenantNotFoundError for a tenant that is gone).
+    """
     checked_role = _check_role(role)
     ttl = _check_ttl(ttl_seconds)
+    tenant_id: bytes | None = None
     if checked_role == ROLE_TENANT_ADMIN:
         if tenant is None:
             raise InvalidRequestError("a tenant-admin token needs a tenant")
         check_tenant_name(tenant)
-        if tenant_rows.id_of(session, tenant) is None:
+        tenant_id = api_tokens.tenant_id_for_mint(session, tenant)
+        if tenant_id is None:
             raise TenantNotFoundError(f"no tenant named {tenant!r}")
     elif tenant is not None:
         raise InvalidRequestError(f"a {checked_role} token is not bound to a tenant")
+    now = kv.context.clock()
+    if minter is not None:
+        _check_minter(session, minter, tenant_id, now)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     digest = hash_token(token)
-    now = kv.context.clock()
     row = ApiToken(
         id=digest[:16],
         token_hash=digest,
@@ -151,6 +174,8 @@ def insert_token(
         created_by=actor,
         expires_at=None if ttl is None else now + ttl,
         revoked_at=None,
+        tenant_id=tenant_id,
+        minted_by=None if minter is None else minter.token_id,
     )
     api_tokens.add(session, row)
     kv.context.audit.append(
@@ -163,9 +188,26 @@ def insert_token(
             target=row.id,
             request_id=request_id,
             details={"token_id": row.id, "role": checked_role, "expires_at": row.expires_at},
+            tenant_id=tenant_id,
         ),
     )
     return token
+
+
+def _check_minter(session: Session, minter: Principal, tenant_id: bytes | None, now: float) -> None:
+    """Refuse a mint whose minter is no longer valid, as seen inside the mint's transaction."""
+    problem = api_tokens.chain_problem(api_tokens.chain_of(session, minter.token_id), now)
+    if problem is not None:
+        raise AuthError(problem, minter.token_id)
+    if minter.role == ROLE_TENANT_ADMIN:
+        # Its own tenant, the incarnation it was made for (locked above if it is the target).
+        if minter.tenant_id is None or (
+            tenant_id != minter.tenant_id
+            and api_tokens.tenant_exists(session, minter.tenant_id, lock=True) is None
+        ):
+            raise AuthError("tenant-deleted", minter.token_id)
+        if tenant_id is not None and tenant_id != minter.tenant_id:
+            raise TenantNotFoundError("a tenant-admin mints for its own tenant only")
 
 
 def create_token(
@@ -190,8 +232,9 @@ def ensure_first_operator_token(kv: TenantKV) -> str | None:
     ensure_schema(kv)
     with kv.context.index.write() as session:
         now = kv.context.clock()
-        if api_tokens.usable_operator_exists(session, now):
-            return None
+        for token_id in api_tokens.live_operator_ids(session, now):
+            if api_tokens.chain_problem(api_tokens.chain_of(session, token_id), now) is None:
+                return None
         return insert_token(
             kv,
             session,
@@ -214,10 +257,16 @@ def mark_revoked(
     tenant: str | None = None,
 ) -> bool:
     """Revoke one token inside ``session`` (audited there); False if there is no such token
-    (or, with ``tenant``, none of that tenant's)."""
+    (or, with ``tenant``, none of that tenant's current incarnation). Tokens it minted, and
+    theirs, lapse with it (their chain now holds a revoked token)."""
     if not isinstance(token_id, str) or not _TOKEN_ID.fullmatch(token_id):
         raise InvalidRequestError("a token id is 16 lower-case hex digits")
-    row = api_tokens.find(session, token_id, tenant)
+    tenant_id: bytes | None = None
+    if tenant is not None:
+        tenant_id = tenant_rows.id_of(session, tenant)
+        if tenant_id is None:
+            return False
+    row = api_tokens.find(session, token_id, tenant_id)
     if row is None:
         return False
     if row.revoked_at is None:
@@ -232,6 +281,7 @@ def mark_revoked(
             target=row.id,
             request_id=request_id,
             details={"token_id": row.id, "role": row.role},
+            tenant_id=row.tenant_id if row.tenant is not None else None,
         ),
     )
     return True
@@ -250,15 +300,12 @@ def revoke_token(kv: TenantKV, token_id: str) -> bool:
         )
 
 
-def revoke_tenant_tokens(kv: TenantKV, session: Session, tenant: str) -> int:
-    """Revoke every token bound to ``tenant`` (before it is deleted: a tenant created again
-    under the same name must not inherit its predecessor's admins)."""
-    return api_tokens.revoke_all_of(session, tenant, kv.context.clock())
-
-
 def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
-    """Every token (or one tenant's), newest first, without secrets."""
+    """Every token (or one tenant's current incarnation's), newest first, without secrets."""
     with kv.context.index.read() as session:
+        tenant_id = None if tenant is None else tenant_rows.id_of(session, tenant)
+        if tenant is not None and tenant_id is None:
+            return []
         return [
             TokenInfo(
                 id=row.id,
@@ -268,8 +315,9 @@ def list_tokens(kv: TenantKV, tenant: str | None = None) -> Sequence[TokenInfo]:
                 created_by=row.created_by,
                 expires_at=row.expires_at,
                 revoked_at=row.revoked_at,
+                minted_by=row.minted_by,
             )
-            for row in api_tokens.listing(session, tenant)
+            for row in api_tokens.listing(session, tenant_id)
         ]
 
 
@@ -282,12 +330,23 @@ def verify_token(kv: TenantKV, token: str | None) -> Principal:
     digest = hash_token(token)
     with kv.context.index.read() as session:
         row = api_tokens.by_hash(session, digest)
-    if row is None or not hmac.compare_digest(row.token_hash, digest):
-        raise AuthError("unknown")
-    if row.revoked_at is not None:
-        raise AuthError("revoked", row.id)
-    if row.expires_at is not None and kv.context.clock() >= row.expires_at:
-        raise AuthError("expired", row.id)
+        if row is None or not hmac.compare_digest(row.token_hash, digest):
+            raise AuthError("unknown")
+        links = api_tokens.chain_of(session, row.id)
+        tenant = None
+        if row.role == ROLE_TENANT_ADMIN:
+            if row.tenant_id is None:  # made by an older tenantkv for a tenant since replaced
+                raise AuthError("unbound", row.id)
+            tenant = api_tokens.tenant_exists(session, row.tenant_id)
+    problem = api_tokens.chain_problem(links, kv.context.clock())
+    if problem is not None:
+        raise AuthError(problem, row.id)
+    if row.role == ROLE_TENANT_ADMIN and tenant is None:
+        raise AuthError("tenant-deleted", row.id)
     return Principal(
-        token_id=row.id, role=_check_role(row.role), tenant=row.tenant, expires_at=row.expires_at
+        token_id=row.id,
+        role=_check_role(row.role),
+        tenant=tenant,
+        expires_at=row.expires_at,
+        tenant_id=row.tenant_id,
     )

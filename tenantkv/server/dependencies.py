@@ -6,7 +6,8 @@ Use the ``Annotated`` aliases in routes::
 
 Guards decide in this order: no valid token -> 401; a tenant-admin naming a tenant other than
 its own -> the same 404 a missing tenant gets (whether or not that tenant exists, which the
-guard never looks up); a role the route does not allow -> 403. Every refusal is audited.
+guard never looks up); a role the route does not allow -> 403. Every refusal is audited: a 403
+or 404 per request (the caller is known), a 401 per source and time window (``refusals.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..api import TenantKV
 from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN
-from .auth import AuthError, Role, verify_token
+from .auth import AuthError, Principal, Role, verify_token
 from .caller import Caller, audit_refusal
 from .errors import FORBIDDEN, UNAUTHORIZED, ApiError, not_found
+from .gate import PRINCIPAL_KEY, source_of
 from .metrics import Metrics, request_id_of
+from .refusals import RefusalLog
 from .settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="an admin API token, tkv_...")
@@ -75,21 +78,17 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 def caller_of(
     request: Request, kv: TenantKV, credentials: HTTPAuthorizationCredentials | None
 ) -> Caller:
-    """The caller a bearer token authenticates; 401 (audited on the system chain) otherwise."""
+    """The caller a bearer token authenticates; 401 (counted in the RefusalLog) otherwise."""
     request_id = request_id_of(request.scope)
+    principal = request.scope.get(PRINCIPAL_KEY)  # what the AuthGate authenticated
+    if isinstance(principal, Principal):
+        return Caller(principal, request_id)
     try:
         principal = verify_token(kv, credentials.credentials if credentials else None)
     except AuthError as err:
-        audit_refusal(
-            kv,
-            actor=f"token:{err.token_id}" if err.token_id else "anonymous",
-            role="unauthenticated",
-            tenant=None,
-            request_id=request_id,
-            reason=err.reason,
-            method=request.method,
-            route=_route(request),
-        )
+        # Counted, and audited per source and window: not one record per anonymous request.
+        refusals: RefusalLog = request.app.state.refusals
+        refusals.count(source_of(request.scope), err.reason, err.token_id)
         raise ApiError(401, dict(UNAUTHORIZED), {"WWW-Authenticate": "Bearer"}) from None
     return Caller(principal, request_id)
 

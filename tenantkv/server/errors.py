@@ -96,7 +96,9 @@ def install(app: FastAPI) -> None:
 
     async def http_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status_code, "http_error"
+        )
         return JSONResponse(
             {"error": code, "detail": str(exc.detail)},
             status_code=exc.status_code,

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from ..api import TenantKV
+    from .refusals import RefusalLog
 
 REQUEST_ID_KEY: Final = "tenantkv.request_id"
 REQUEST_ID_HEADER: Final = "x-request-id"
@@ -24,9 +25,11 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class Metrics:
-    """Request counters and latency sums, by (method, route template, status)."""
+    """Request counters and latency sums, by (method, route template, status), and the counts
+    of refused authentications (by reason only: source addresses are unbounded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusals: RefusalLog | None = None) -> None:
+        self._refusals = refusals
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, str, int]] = Counter()
         self._seconds: dict[tuple[str, str], float] = {}
@@ -77,7 +80,33 @@ class Metrics:
                 f'tenantkv_http_request_seconds_total{{method="{_label(method)}",'
                 f'route="{_label(route)}"}} {total:.6f}'
             )
+        if self._refusals is not None:
+            lines += _refusal_lines(self._refusals)
         return "\n".join(lines) + "\n"
+
+
+def _refusal_lines(refusals: RefusalLog) -> list[str]:
+    stats = refusals.stats()
+    lines = [
+        "# HELP tenantkv_auth_refused_total Requests refused for want of a valid token (401).",
+        "# TYPE tenantkv_auth_refused_total counter",
+    ]
+    for reason, count in sorted(stats.refused.items()):
+        lines.append(f'tenantkv_auth_refused_total{{reason="{_label(reason)}"}} {count}')
+    lines += [
+        "# HELP tenantkv_auth_refused_folded_total 401s counted under 'other' (past the sources "
+        "audited by address in their window).",
+        "# TYPE tenantkv_auth_refused_folded_total counter",
+        f"tenantkv_auth_refused_folded_total {stats.folded}",
+        "# HELP tenantkv_auth_refusal_records_total Aggregate access.refused records written.",
+        "# TYPE tenantkv_auth_refusal_records_total counter",
+        f"tenantkv_auth_refusal_records_total {stats.records}",
+        "# HELP tenantkv_auth_refusal_flush_errors_total Windows of 401s that could not be "
+        "audited.",
+        "# TYPE tenantkv_auth_refusal_flush_errors_total counter",
+        f"tenantkv_auth_refusal_flush_errors_total {stats.flush_errors}",
+    ]
+    return lines
 
 
 def _label(value: str) -> str:

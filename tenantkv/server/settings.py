@@ -26,6 +26,25 @@ class Settings(BaseSettings):
     )
     max_token_ttl_seconds: float = Field(default=90 * 86400.0, gt=0, le=366 * 86400.0)
     default_token_ttl_seconds: float | None = Field(default=30 * 86400.0, gt=0)
+    max_body_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="largest request body accepted (413 beyond; the largest legitimate one is "
+        "a few KiB)",
+    )
+    refusal_window_seconds: float = Field(
+        default=60.0,
+        ge=1.0,
+        le=3600.0,
+        description="refused authentications are audited as one record per source per window",
+    )
+    refusal_max_sources: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="sources audited by address per window; the rest are counted as 'other'",
+    )
 
     def cache_config(self) -> CacheConfig:
         """The cache this service opens: ``root``, with every other cache setting from the same

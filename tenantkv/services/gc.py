@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..audit import USAGE_SUMMARY, AuditError, chain_for
+from ..audit import USAGE_SUMMARY, AuditError
 from ..context import CacheContext
 from ..index import extents, leases, settings
 from ..index import tenants as tenant_rows
@@ -102,10 +102,10 @@ def _audit_maintenance(ctx: CacheContext, now: float) -> None:
                 counters = read_usage(ctx.index, tenant_id, None, since, until)
                 if any(counters.values()):
                     details: dict[str, object] = {"since": since, "until": until, **counters}
-                    ctx.audit.append(
-                        session, ctx.attribution.event(name, USAGE_SUMMARY, name, details=details)
+                    event = ctx.attribution.event(
+                        name, USAGE_SUMMARY, name, details=details, tenant_id=tenant_id
                     )
-                    chains.append(chain_for(name))
+                    chains.append(ctx.audit.append(session, event).chain)
             settings.put(session, settings.USAGE_SUMMARY_MARK, repr(until))
         ctx.audit.purge_expired(session)
         for chain in chains:

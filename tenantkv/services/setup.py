@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..context import CacheContext
 from ..crypto import KeyWrapper, SealOpenError, new_key
 from ..errors import MasterKeyError
-from ..index import settings
+from ..index import api_tokens, settings
 from .capacity import init_capacity
 
 _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
@@ -13,10 +13,15 @@ _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
 
 def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
     """Create the schema, check the master key, prepare the audit log (signing key, MAC
-    columns of an older index) and the initial capacity, and read the key epoch."""
+    columns of an older index) and the initial capacity, and read the key epoch.
+
+    The admin API's token table is made (or brought up to date) here too, not only when the
+    server starts: deleting a tenant revokes its tokens in the deletion's own transaction, on
+    every path (Python, CLI, HTTP)."""
     # Nodes starting together on one index check or create its settings one after another.
     with ctx.index.opening():
         ctx.index.create_schema()
+        api_tokens.ensure_table(ctx.index)
         check_master_key(ctx, wrapper)
         with ctx.index.write() as session:
             ctx.audit.prepare(session)  # also upgrades an older index's audit tables

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from ..audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from ..context import CacheContext
 from ..errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
-from ..index import capacity, counters
+from ..index import api_tokens, capacity, counters
 from ..index import tenants as tenant_rows
 from ..index.quota import Evicted, make_room, tenant_bytes, total_quota
 from ..index.schema import Tenant
@@ -155,10 +155,10 @@ def update_tenant(
         row = _row(session, name, lock=True)
         evicted: list[Evicted] = []
         if retention is not None:
-            classes = {**loads_retention(row.retention), **_given(retention)}
-            row.retention = dumps_retention(classes)
-            for kind, ttl in classes.items():
-                tenant_rows.restart_retention(session, row.id, kind, ttl)
+            given = _given(retention)
+            row.retention = dumps_retention({**loads_retention(row.retention), **given})
+            # Only the classes given change; one statement restarts them all.
+            tenant_rows.restart_retention(session, row.id, given)
         if quota_bytes is not None:
             _check_capacity(ctx, session, quota_bytes, row.id)
             row.quota_bytes = quota_bytes
@@ -202,15 +202,20 @@ def list_tenants(ctx: CacheContext) -> list[TenantInfo]:
 
 
 def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
-    """Crypto-shred a tenant: keys and index rows go in one transaction, then the bytes.
+    """Crypto-shred a tenant: keys, index rows and its admin API tokens go in one transaction,
+    then the bytes.
 
-    Returns the number of extents whose files were removed.
+    The tokens are revoked here, whoever deletes (Python, CLI or HTTP), and in the deletion's
+    own transaction: a token minted by a request racing the deletion either committed first
+    (and is revoked here) or finds the tenant gone. Returns the number of extents whose files
+    were removed.
     """
     with ctx.index.write() as session:
         row = _row(session, name, lock=True)
         tenant_id = row.id
         extent_ids = tenant_rows.extent_ids(session, tenant_id)
         namespace_ids = tenant_rows.namespace_ids(session, tenant_id)
+        revoked = api_tokens.revoke_all_of(session, tenant_id, ctx.clock())
         tenant_rows.shred(session, row)  # keys first, in the same transaction
         counters.bump(session, counters.KEY_EPOCH)  # other nodes drop its cached keys
         ctx.audit.append(
@@ -219,7 +224,12 @@ def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
                 name,
                 TENANT_DELETE,
                 name,
-                details={"extents": len(extent_ids), "namespaces": len(namespace_ids)},
+                details={
+                    "extents": len(extent_ids),
+                    "namespaces": len(namespace_ids),
+                    "tokens_revoked": revoked,
+                },
+                tenant_id=tenant_id,  # the row is gone by now: name the incarnation
             ),
         )
     ctx.index.scrub_log()

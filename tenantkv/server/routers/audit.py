@@ -1,9 +1,12 @@
 """``/v1/audit``: streamed exports, signed checkpoints, the verification key.
 
-Who exports what: operators and auditors any chain (``tenant=`` one tenant's, none: every
-chain, the system chain included); a tenant-admin only its own tenant's chain (another name is
-the no-oracle 404). Each export is audited, before it streams, on the chain it exports (the
-system chain for an all-chains export).
+Who exports what: operators and auditors any chain (``tenant=`` the chain of the tenant of that
+name as it exists now, ``chain=`` any one chain by id, e.g. a deleted tenant's or an earlier
+incarnation's; none: every chain, the system chain included); a tenant-admin only its own
+tenant's current chain (another name is the no-oracle 404). A tenant that does not exist is that
+same 404 for every role, for exports, checkpoint listings and new checkpoints alike. Each export
+is audited, before it streams, on the chain it exports (the system chain for an all-chains or
+``chain=`` export).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...audit import (
     AUDIT_EXPORT,
     ROLE_TENANT_ADMIN,
+    SYSTEM_CHAIN,
+    TENANT_CHAIN_PREFIX,
     ExportFormat,
-    chain_for,
+    is_chain_of,
 )
 from ...index import audit_queries
+from ...index.audit_chains import incarnation_chain
 from ..caller import Caller
 from ..dependencies import KV, AnyRole, AuditReader, Operator, refuse
 from ..errors import not_found
@@ -37,6 +43,10 @@ _MEDIA: Final[dict[str, str]] = {
 }
 TenantParam = Annotated[str | None, Query(min_length=1, max_length=128)]
 TimeParam = Annotated[float | None, Query(ge=0, le=MAX_TIME, allow_inf_nan=False)]
+ChainParam = Annotated[
+    str | None,
+    Query(min_length=1, max_length=160, description="one chain by id (operators and auditors)"),
+]
 
 
 class CheckpointRequest(BaseModel):
@@ -65,6 +75,31 @@ def _chain_tenant(request: Request, kv: KV, caller: Caller, tenant: str | None) 
     return own
 
 
+def _chain(
+    request: Request, kv: KV, caller: Caller, tenant: str | None, chain: str | None
+) -> str | None:
+    """The one chain ``caller`` reads (None: every chain). ``tenant``: that tenant's current
+    incarnation's chain, or the guards' 404 if there is no such tenant; ``chain``: that chain,
+    for operators and auditors (a tenant-admin gets the 404 for any chain but its own)."""
+    chain_tenant = _chain_tenant(request, kv, caller, tenant)
+    current: str | None = None
+    if chain_tenant is not None:
+        with kv.context.index.read() as session:
+            current = incarnation_chain(session, chain_tenant)
+        if current is None:
+            raise not_found()
+    if chain is None:
+        return current
+    if caller.role == ROLE_TENANT_ADMIN and chain != current:
+        refuse(request, kv, caller, "other-tenant")
+        raise not_found()
+    if chain_tenant is not None and not is_chain_of(chain, chain_tenant):
+        raise not_found()
+    if chain != SYSTEM_CHAIN and not chain.startswith(TENANT_CHAIN_PREFIX):
+        raise not_found()
+    return chain
+
+
 @router.get("/export", response_class=StreamingResponse)
 def export(
     request: Request,
@@ -74,12 +109,14 @@ def export(
     since: TimeParam = None,
     until: TimeParam = None,
     fmt: ExportFormat = "jsonl",
+    chain: ChainParam = None,
 ) -> StreamingResponse:
     """Stream the log as JSON Lines (verifiable offline with ``tenantkv audit verify``), CEF
     or OCSF. The set of records is fixed when the export starts."""
     chain_tenant = _chain_tenant(request, kv, caller, tenant)
+    only = _chain(request, kv, caller, tenant, chain)
     lines = kv.context.audit.export(
-        kv.context.index.read, tenant=chain_tenant, since=since, until=until, fmt=fmt
+        kv.context.index.read, tenant=chain_tenant, since=since, until=until, fmt=fmt, chain=only
     )
     with kv.context.index.write() as session:
         kv.context.audit.append(
@@ -87,7 +124,7 @@ def export(
             caller.event(
                 chain_tenant,
                 AUDIT_EXPORT,
-                chain_for(chain_tenant) if chain_tenant else "all",
+                only or "all",
                 details={"format": fmt, "since": since, "until": until},
             ),
         )
@@ -101,10 +138,15 @@ def export(
 
 @router.get("/checkpoints", response_model=list[CheckpointOut])
 def list_checkpoints(
-    request: Request, kv: KV, caller: AuditReader, tenant: TenantParam = None
+    request: Request,
+    kv: KV,
+    caller: AuditReader,
+    tenant: TenantParam = None,
+    chain: ChainParam = None,
 ) -> list[CheckpointOut]:
-    """Stored signed checkpoints of one chain (``tenant``; none: the system chain)."""
-    chain = chain_for(_chain_tenant(request, kv, caller, tenant))
+    """Stored signed checkpoints of one chain (``tenant``'s current one, or ``chain``; none:
+    the system chain)."""
+    chain = _chain(request, kv, caller, tenant, chain) or SYSTEM_CHAIN
     with kv.context.index.read() as session:
         rows = audit_queries.checkpoints(session, chain, limit=1000)
         return [
@@ -125,12 +167,16 @@ def list_checkpoints(
 def create_checkpoint(
     kv: KV, caller: Operator, body: CheckpointRequest | None = None
 ) -> CheckpointOut:
-    """Sign the current head of a chain now (``tenant``; none: the system chain). The request
-    is recorded on that chain first, so the checkpoint covers its own audit record."""
+    """Sign the current head of a chain now (``tenant``'s current one; none: the system
+    chain). The request is recorded on that chain first, so the checkpoint covers its own audit
+    record. A tenant that does not exist is the guards' 404: no chain is started for it."""
     tenant = body.tenant if body else None
-    chain = chain_for(tenant)
     with kv.context.index.write() as session:
-        kv.context.audit.append(session, caller.event(tenant, AUDIT_CHECKPOINT, chain))
+        chain = SYSTEM_CHAIN if tenant is None else incarnation_chain(session, tenant)
+        if chain is None:
+            raise not_found()
+        record = kv.context.audit.append(session, caller.event(tenant, AUDIT_CHECKPOINT, chain))
+        assert record.chain == chain, f"{chain} checkpoint request filed in {record.chain}"
         checkpoint = kv.context.audit.checkpoint(session, chain)
     return CheckpointOut(
         chain=checkpoint.chain,

@@ -11,11 +11,9 @@ from typing import Annotated, Final
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...audit import ROLE_TENANT_ADMIN, TENANT_DELETE
+from ...audit import ROLE_TENANT_ADMIN
 from ...errors import InvalidRequestError, TenantNotFoundError
-from ...index import tenants as tenant_rows
 from ...services.tenants import TenantInfo
-from ..auth import revoke_tenant_tokens
 from ..caller import Caller
 from ..dependencies import KV, TenantCaller, TenantOperator, refuse, require_roles
 from ..errors import FORBIDDEN, ApiError
@@ -149,18 +147,9 @@ def update_tenant(
 
 @router.delete("/{name}", status_code=204)
 def delete_tenant(name: str, kv: KV, caller: TenantOperator) -> Response:
-    """Crypto-shred the tenant. Its API tokens are revoked first (in their own transaction,
-    audited there), so a tenant created again under this name inherits no admins."""
-    with kv.context.index.write() as session:
-        if tenant_rows.id_of(session, name) is None:
-            raise TenantNotFoundError(name)
-        revoked = revoke_tenant_tokens(kv, session, name)
-        kv.context.audit.append(
-            session,
-            caller.event(
-                name, "token.revoke", name, details={"tenant_tokens": revoked, "for": TENANT_DELETE}
-            ),
-        )
+    """Crypto-shred the tenant. Its API tokens are revoked in the deletion's own transaction
+    (as on every deletion path; the ``tenant.delete`` record counts them), so no token minted
+    meanwhile survives and a tenant created again under this name inherits no admins."""
     kv.delete_tenant(name, by=caller.attribution)
     return Response(status_code=204)
 

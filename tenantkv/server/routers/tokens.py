@@ -10,10 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...audit import ROLE_TENANT_ADMIN
 from ...errors import InvalidRequestError
-from ..auth import Role, TokenInfo, insert_token, list_tokens, mark_revoked, token_id_of
+from ..auth import (
+    AuthError,
+    Role,
+    TokenInfo,
+    insert_token,
+    list_tokens,
+    mark_revoked,
+    token_id_of,
+)
 from ..caller import Caller
 from ..dependencies import KV, AppSettings, Operator, TenantCaller
-from ..errors import ApiError
+from ..errors import UNAUTHORIZED, ApiError
 from ..settings import Settings
 
 router = APIRouter(tags=["tokens"])
@@ -48,6 +56,7 @@ class TokenOut(BaseModel):
     created_by: str
     expires_at: float | None
     revoked_at: float | None
+    minted_by: str | None = Field(default=None, description="id of the token that minted it")
 
     @classmethod
     def of(cls, info: TokenInfo) -> TokenOut:
@@ -76,17 +85,21 @@ def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> flo
 def _create(
     kv: KV, caller: Caller, role: Role, tenant: str | None, ttl: float | None
 ) -> TokenCreated:
-    with kv.context.index.write() as session:
-        token = insert_token(
-            kv,
-            session,
-            role,
-            tenant,
-            ttl,
-            actor=caller.actor,
-            actor_role=caller.role,
-            request_id=caller.request_id,
-        )
+    try:
+        with kv.context.index.write() as session:
+            token = insert_token(
+                kv,
+                session,
+                role,
+                tenant,
+                ttl,
+                actor=caller.actor,
+                actor_role=caller.role,
+                request_id=caller.request_id,
+                minter=caller.principal,
+            )
+    except AuthError:  # the caller's token (or a minter's) was revoked since it was checked
+        raise ApiError(401, dict(UNAUTHORIZED), {"WWW-Authenticate": "Bearer"}) from None
     info = next(t for t in list_tokens(kv, tenant) if t.id == token_id_of(token))
     return TokenCreated(
         token=token, token_id=info.id, role=role, tenant=tenant, expires_at=info.expires_at
