@@ -4,8 +4,12 @@ Everything hashed or signed is a JSON object encoded canonically, byte by byte:
 
 * ``json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
   allow_nan=False)`` then UTF-8: keys sorted by Unicode code point, no whitespace anywhere,
-  non-ASCII characters written as themselves (UTF-8), only ``"``, ``\\``, and control characters
-  below U+0020 escaped (``\\n``, ``\\r``, ``\\t``, ``\\b``, ``\\f``, else ``\\u00xx`` lowercase);
+  non-ASCII characters written as themselves (UTF-8), except that ``"``, ``\\``, control
+  characters below U+0020 (``\\n``, ``\\r``, ``\\t``, ``\\b``, ``\\f``, else ``\\u00xx``
+  lowercase) and the three other characters ``str.splitlines()`` breaks lines at -- U+0085,
+  U+2028, U+2029, written ``\\u0085``, ``\\u2028``, ``\\u2029`` -- are escaped, so an export
+  line never contains a line break of any kind (records hashed before this escaping existed:
+  see ``legacy_text``);
 * integers in plain decimal; times are integers of microseconds since the Unix epoch
   (``time_us``), so no float formatting is ever hashed at the top level;
 * ``null`` for an absent tenant (the system chain) or request id;
@@ -50,6 +54,15 @@ HASH_FIELD = "hash"
 SIGNATURE_FIELD = "signature"
 MAX_DETAILS_BYTES = 64 * 1024
 
+# Line breaks for str.splitlines() that json.dumps leaves raw (it escapes everything below U+0020:
+# \n \r \x0b \x0c \x1c \x1d \x1e). Escaping them keeps every export line one line however
+# the file is split; they can only occur inside JSON strings, so a plain replace is exact.
+_RAW_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_LINE_BREAK_CHARS = re.compile("[\x85\u2028\u2029]")
+# An escape sequence in canonical JSON text: an escaped backslash is consumed as a pair, so the
+# text `\\u2028` (a backslash, then "u2028") is never mistaken for an escaped U+2028.
+_ESCAPES = re.compile(r"\\(\\|u0085|u2028|u2029)")
+
 _SEALED_LINE = re.compile(r'\A(\{.*),"(hash|signature)":"([0-9a-f]+)"\}\Z', re.DOTALL)
 
 
@@ -63,9 +76,38 @@ def canonical_json(value: Any) -> bytes:
         text = json.dumps(
             value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
         )
-        return text.encode("utf-8")
+        return escape_line_breaks(text).encode("utf-8")
     except (TypeError, ValueError) as err:  # UnicodeEncodeError is a ValueError
         raise AuditRequestError(f"value cannot be encoded as canonical JSON: {err}") from None
+
+
+def escape_line_breaks(text: str) -> str:
+    """``text`` (JSON) with U+0085, U+2028 and U+2029 written as ``\\uXXXX`` escapes.
+
+    ``json.dumps`` escapes the other characters ``str.splitlines()`` splits at (all below
+    U+0020) but writes these three raw, so a record holding one would fall apart into two
+    "lines" for any reader that splits the way Python does (the docs allow
+    ``verify_export(text.splitlines(), ...)``).
+    """
+    if _LINE_BREAK_CHARS.search(text) is None:
+        return text
+    return _LINE_BREAK_CHARS.sub(lambda m: _RAW_LINE_BREAKS[m.group(0)], text)
+
+
+def legacy_text(text: str) -> str | None:
+    """``text`` as older tenantkv encoded it (those three characters raw), or None if the same.
+
+    Records written before the escaping was added were hashed over the raw characters; their
+    export lines are now written escaped, so the verifier hashes this form as well when the
+    escaped one does not match. Both encode the same JSON value, so nothing can be forged.
+    """
+
+    def unescape(match: re.Match[str]) -> str:
+        escaped = match.group(1)
+        return match.group(0) if escaped == "\\" else chr(int(escaped[1:], 16))
+
+    legacy = _ESCAPES.sub(unescape, text)
+    return None if legacy == text else legacy
 
 
 def normalise_details(details: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,9 +16,11 @@ time) is included rather than punching a hole in the chain.
 
 **JSON Lines layout** (what ``verify_export`` expects), per chain in chain-id order::
 
+    purge statement                           only when a retention purge cut the chain at `first`
     record seq=first ... record seq=last      hash-chained (see canonical.py)
-      with every stored checkpoint of the chain in [first, last] right after its record,
-      ordered by (time_us, signature)
+      with every stored checkpoint of the chain in [first, last] and the chain's latest
+      anchored checkpoint right after its record, ordered by (time_us, signature); stored
+      checkpoints past the chain's head (export without `until`) after the last record
     checkpoint                                signed now: head = record `last`, count = records
     ...next chain...
     export trailer                            signed now: tenant, since/until, and per chain
@@ -34,8 +36,9 @@ export still has to read; the result then fails verification rather than silentl
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
@@ -47,7 +50,13 @@ from .canonical import SIGNATURE_FIELD, canonical_json, sealed_line
 from .events import is_chain_of
 from .formats import cef_line, ocsf_line
 from .models import AuditChainHead, AuditCheckpointRow, AuditRecordRow
-from .records import AuditRecord, Checkpoint, checkpoint_body, export_trailer_body
+from .records import (
+    AuditRecord,
+    Checkpoint,
+    PurgeStatement,
+    checkpoint_body,
+    export_trailer_body,
+)
 from .signing import Signer
 
 ExportFormat = Literal["jsonl", "cef", "ocsf"]
@@ -147,6 +156,7 @@ _RECORD_COLUMNS = (
     AuditRecordRow.details,
     AuditRecordRow.prev_hash,
     AuditRecordRow.hash,
+    AuditRecordRow.mac,
 )
 
 
@@ -184,6 +194,7 @@ def paged_records(
                 details=json.loads(row.details),
                 prev_hash=row.prev_hash,
                 hash=row.hash,
+                mac=row.mac,
             )
         cursor = int(rows[-1].seq)
 
@@ -268,6 +279,28 @@ def sign_checkpoint(
     )
 
 
+@dataclass(frozen=True)
+class ChainEvidence:
+    """What the log adds to one chain block beyond the database's records and checkpoints.
+
+    ``purge``: the chain's signed purge statement, written before the block's first record when
+    the block starts where the purge cut. ``checkpoints``: signed checkpoints that are not stored
+    checkpoints inside the block's range -- the latest anchored one, and any stored past the
+    chain's head (left there when records were deleted and the head rewound) -- merged into the
+    block in checkpoint order; one past the last record lands after it, where the verifier
+    reports that records are missing. ``check``: called with every record before it is written
+    (the MAC check), raising to abort the export.
+    """
+
+    purge: PurgeStatement | None = None
+    checkpoints: tuple[Checkpoint, ...] = ()
+    check: Callable[[AuditRecord], None] | None = None
+
+
+def _checkpoint_order(checkpoint: Checkpoint) -> tuple[int, int, bytes]:
+    return (checkpoint.seq, checkpoint.time_us, checkpoint.signature)
+
+
 def jsonl_lines(
     source: SessionSource,
     ranges: list[ChainRange],
@@ -278,8 +311,11 @@ def jsonl_lines(
     until_us: int | None,
     now_us: int,
     page_size: int,
+    evidence: Mapping[str, ChainEvidence] | None = None,
 ) -> Iterator[str]:
     """The verifiable export (see the module docstring for its layout)."""
+    evidence = evidence or {}
+    none = ChainEvidence()
     finals = [
         sign_checkpoint(
             signer,
@@ -300,7 +336,9 @@ def jsonl_lines(
         chains=[
             {
                 "chain": r.chain,
-                "checkpoints": r.stored_checkpoints + 1,
+                "checkpoints": r.stored_checkpoints
+                + len(evidence.get(r.chain, none).checkpoints)
+                + 1,
                 "count": r.count,
                 "head_hash": r.head_hash,
                 "seq": r.last,
@@ -310,13 +348,22 @@ def jsonl_lines(
     )
     trailer_line = sealed_line(trailer, SIGNATURE_FIELD, signer.sign(canonical_json(trailer)).hex())
     for chain_range, final in zip(ranges, finals, strict=True):
-        stored = paged_checkpoints(
-            source, chain_range.chain, chain_range.first, chain_range.last, page_size
+        extra = evidence.get(chain_range.chain, none)
+        stored = heapq.merge(
+            paged_checkpoints(
+                source, chain_range.chain, chain_range.first, chain_range.last, page_size
+            ),
+            sorted(extra.checkpoints, key=_checkpoint_order),
+            key=_checkpoint_order,
         )
         pending = next(stored, None)
+        if extra.purge is not None and extra.purge.first_seq == chain_range.first:
+            yield extra.purge.to_jsonl()
         for record in paged_records(
             source, chain_range.chain, chain_range.first, chain_range.last, page_size
         ):
+            if extra.check is not None:
+                extra.check(record)
             yield record.to_jsonl()
             while pending is not None and pending.seq <= record.seq:
                 yield pending.to_jsonl()

@@ -32,7 +32,7 @@ from functools import cache
 from importlib import metadata
 from typing import Any
 
-from .canonical import canonical_json
+from .canonical import canonical_json, escape_line_breaks
 from .records import AuditRecord
 
 OCSF_SCHEMA_VERSION = "1.1.0"
@@ -163,5 +163,7 @@ def ocsf_event(record: AuditRecord) -> dict[str, Any]:
 
 
 def ocsf_line(record: AuditRecord) -> str:
-    """One OCSF event as compact JSON."""
-    return json.dumps(ocsf_event(record), separators=(",", ":"), ensure_ascii=False)
+    """One OCSF event as compact JSON, on one line however it is split (U+2028 etc. escaped)."""
+    return escape_line_breaks(
+        json.dumps(ocsf_event(record), separators=(",", ":"), ensure_ascii=False)
+    )

@@ -13,11 +13,17 @@ same database, so an audit record commits in the same transaction as the action 
 * ``tkv_audit_checkpoints`` -- signed statements "chain C had head H at seq S, covering N records".
 * ``tkv_audit_signing_keys`` -- the Ed25519 checkpoint key: the private half wrapped by the master
   key (never in clear), the public half in clear so anyone may fetch it.
+* ``tkv_audit_purges`` -- per purged chain, the signed statement of the latest retention purge
+  (first kept seq and the hash it links to), which exports carry and verifiers require.
+
+Records and heads carry MACs under a key derived from the master key (``macs.py``). An index
+created before they existed lacks those columns: :func:`add_missing_columns` adds them when the
+cache opens (``AuditLog.prepare``), and the rows already there count as pre-MAC.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import BigInteger, Connection, Index, Integer, LargeBinary, String, Text, inspect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .events import MAX_ACTION, MAX_ACTOR, MAX_REQUEST_ID, MAX_ROLE, MAX_TARGET, MAX_TENANT
@@ -48,6 +54,8 @@ class AuditRecordRow(AuditBase):
     details: Mapped[str] = mapped_column(Text)
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64))
+    #: HMAC under the audit MAC key (``macs.record_mac``); None only for pre-MAC records.
+    mac: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class AuditChainHead(AuditBase):
@@ -58,6 +66,10 @@ class AuditChainHead(AuditBase):
     chain: Mapped[str] = mapped_column(String(MAX_CHAIN), primary_key=True)
     last_seq: Mapped[int] = mapped_column(BigInteger)
     last_hash: Mapped[str] = mapped_column(String(64))
+    #: HMAC of the head (``macs.head_mac``); None only for a head created in this transaction.
+    mac: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    #: The first seq of the chain that carries a record MAC (earlier ones are pre-MAC).
+    mac_from_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class AuditCheckpointRow(AuditBase):
@@ -87,3 +99,40 @@ class AuditSigningKey(AuditBase):
     public_key: Mapped[bytes] = mapped_column(LargeBinary(32))
     wrapped_private_key: Mapped[bytes] = mapped_column(LargeBinary)
     created_at_us: Mapped[int] = mapped_column(BigInteger)
+
+
+class AuditPurgeRow(AuditBase):
+    """The signed statement of a chain's latest retention purge (``records.PurgeStatement``)."""
+
+    __tablename__ = "tkv_audit_purges"
+
+    chain: Mapped[str] = mapped_column(String(MAX_CHAIN), primary_key=True)
+    first_seq: Mapped[int] = mapped_column(BigInteger)
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    time_us: Mapped[int] = mapped_column(BigInteger)
+    key_id: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[bytes] = mapped_column(LargeBinary(64))
+
+
+# Columns added after the first release: (table, column, DDL type).
+_ADDED_COLUMNS = (
+    ("tkv_audit_records", "mac", "VARCHAR(64)"),
+    ("tkv_audit_heads", "mac", "VARCHAR(64)"),
+    ("tkv_audit_heads", "mac_from_seq", "BIGINT"),
+)
+
+
+def add_missing_columns(connection: Connection) -> bool:
+    """Add the MAC columns to audit tables created by an older tenantkv; True if any was added.
+
+    ``create_all`` creates missing tables but never alters existing ones, so without this an old
+    index would fail every append with an obscure "no such column".
+    """
+    inspector = inspect(connection)
+    added = False
+    for table, column, ddl_type in _ADDED_COLUMNS:
+        present = {c["name"] for c in inspector.get_columns(table)}
+        if column not in present:
+            connection.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl_type}")
+            added = True
+    return added

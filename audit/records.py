@@ -18,7 +18,7 @@ at either end from a complete one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .canonical import (
@@ -48,6 +48,8 @@ class AuditRecord:
     details: Mapping[str, Any]
     prev_hash: str
     hash: str
+    #: The record's MAC as stored (``macs.py``); never exported, None for pre-MAC records.
+    mac: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def time(self) -> float:
@@ -152,5 +154,59 @@ def export_trailer_body(
         "time_us": time_us,
         "type": "export",
         "until_us": until_us,
+        "v": FORMAT_VERSION,
+    }
+
+
+@dataclass(frozen=True)
+class PurgeStatement:
+    """A signed statement that a retention purge cut ``chain`` before ``first_seq``.
+
+    Signed bytes (canonical JSON)::
+
+        {"chain":str,"first_seq":int,"key_id":hex32,"prev_hash":hex64,"time_us":int,
+         "type":"purge","v":1}
+
+    meaning: "the records of ``chain`` before ``first_seq`` were removed by retention; record
+    ``first_seq`` links to ``prev_hash``". An export whose chain block starts after seq 1 carries
+    it right before the block's first record, and the verifier requires it there (unless the
+    export's ``since`` bound explains the start), so deleting the oldest records of a chain in
+    the database -- without the key that signs this -- no longer verifies.
+    """
+
+    chain: str
+    first_seq: int
+    prev_hash: str
+    time_us: int
+    key_id: str
+    signature: bytes
+
+    def body(self) -> dict[str, Any]:
+        return purge_body(
+            chain=self.chain,
+            first_seq=self.first_seq,
+            prev_hash=self.prev_hash,
+            time_us=self.time_us,
+            key_id=self.key_id,
+        )
+
+    def signed_bytes(self) -> bytes:
+        """Exactly the bytes the signature covers."""
+        return canonical_json(self.body())
+
+    def to_jsonl(self) -> str:
+        return sealed_line(self.body(), SIGNATURE_FIELD, self.signature.hex())
+
+
+def purge_body(
+    *, chain: str, first_seq: int, prev_hash: str, time_us: int, key_id: str
+) -> dict[str, Any]:
+    return {
+        "chain": chain,
+        "first_seq": first_seq,
+        "key_id": key_id,
+        "prev_hash": prev_hash,
+        "time_us": time_us,
+        "type": "purge",
         "v": FORMAT_VERSION,
     }

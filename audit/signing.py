@@ -35,6 +35,7 @@ from tenantkv.crypto import KeyWrapper, SealOpenError
 
 from .canonical import to_microseconds
 from .errors import AuditSigningKeyError
+from .macs import derive_mac_key
 from .models import AuditSigningKey
 
 SIGNING_KEY_CONTEXT = b"tenantkv/audit-signing\x00"
@@ -68,6 +69,8 @@ class Signer:
     key_id: str
     private_key: Ed25519PrivateKey
     public_raw: bytes
+    #: The audit MAC key derived from this private key (``macs.py``).
+    mac_key: bytes
 
     def sign(self, message: bytes) -> bytes:
         return self.private_key.sign(message)
@@ -151,7 +154,12 @@ class SigningKeys:
             raise AuditSigningKeyError(
                 "the stored public audit key does not match its private key (row altered?)"
             )
-        return Signer(key_id=key_id, private_key=private_key, public_raw=public_raw)
+        return Signer(
+            key_id=key_id,
+            private_key=private_key,
+            public_raw=public_raw,
+            mac_key=derive_mac_key(raw),
+        )
 
 
 def public_key_pem(public_key: Ed25519PublicKey) -> bytes:

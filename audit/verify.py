@@ -6,8 +6,9 @@
   its ``hash``, or a checkpoint / export trailer whose Ed25519 signature over its body bytes
   verifies under the given key (and names that key's id);
 * per chain, seqs rise by exactly one and each ``prev_hash`` is the previous record's ``hash``; a
-  chain starting at seq 1 must start from the genesis hash, one starting later (older records
-  purged, or a ``since`` bound) takes its first ``prev_hash`` as its anchor;
+  chain starting at seq 1 must start from the genesis hash; one starting later must be explained:
+  by a signed purge statement right before its first record naming that seq and ``prev_hash``
+  (older records removed by retention), or by the export's ``since`` bound;
 * every checkpoint sits right after the record it names and repeats that record's hash; stored
   checkpoints at one seq appear in (time, signature) order; the last line of each chain block
   is the export's own checkpoint (signed at the trailer's time), whose ``count`` equals the
@@ -39,6 +40,7 @@ from .canonical import (
     GENESIS_HASH,
     HASH_FIELD,
     SIGNATURE_FIELD,
+    legacy_text,
     sha256_hex,
     split_sealed_line,
 )
@@ -73,6 +75,7 @@ _TRAILER_KEYS = frozenset(
     {"chains", "key_id", "since_us", "tenant", "time_us", "type", "until_us", "v"}
 )
 _TRAILER_CHAIN_KEYS = frozenset({"chain", "checkpoints", "count", "head_hash", "seq"})
+_PURGE_KEYS = frozenset({"chain", "first_seq", "key_id", "prev_hash", "time_us", "type", "v"})
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class ChainSummary:
     from_genesis: bool
     """True when the block starts at seq 1; otherwise its first ``prev_hash`` is an anchor
     (older records were purged or left out by ``since``) that an earlier export can confirm."""
+    purged: bool = False
+    """True when a signed purge statement says retention removed the records before it."""
 
 
 @dataclass
@@ -130,6 +135,7 @@ class _Block:
     last_hash: str
     last_time_us: int
     from_genesis: bool
+    purged: bool = False
     records: int = 1
     checkpoints: int = 0
     # checkpoints since the last record: (time_us, signature hex, count, line number)
@@ -150,6 +156,8 @@ class _Verifier:
         self.lines = 0
         self.block_times: dict[str, tuple[int, int]] = {}
         self.final_times: dict[str, int] = {}
+        # a purge statement waiting for its chain's first record: (chain, seq, prev_hash, line)
+        self.pending_purge: tuple[str, int, str, int] | None = None
 
     # ---- reporting ----------------------------------------------------------------------------
 
@@ -202,8 +210,16 @@ class _Verifier:
         if body.get("v") != FORMAT_VERSION:
             self.problem(f"line {number}: unknown format version {body.get('v')!r}")
             return
+        if kind != "record" and self.pending_purge is not None:
+            self.problem(
+                f"line {self.pending_purge[3]}: purge statement not followed by its chain's "
+                "first record"
+            )
+            self.pending_purge = None
         if kind == "record" and seal_field == HASH_FIELD:
             self.record(number, body_text, body, seal)
+        elif kind == "purge" and seal_field == SIGNATURE_FIELD:
+            self.purge(number, body_text, body, seal)
         elif kind == "checkpoint" and seal_field == SIGNATURE_FIELD:
             self.checkpoint(number, body_text, body, seal)
         elif kind == "export" and seal_field == SIGNATURE_FIELD:
@@ -221,12 +237,17 @@ class _Verifier:
         if len(seal) != 128 or self.public_key is None:
             self.problem(f"line {number}: {what} signature is malformed")
             return False
-        try:
-            self.public_key.verify(bytes.fromhex(seal), body_text.encode("utf-8"))
-        except InvalidSignature:
-            self.problem(f"line {number}: {what} signature does not verify (edited or forged)")
-            return False
-        return True
+        signature = bytes.fromhex(seal)
+        for text in (body_text, legacy_text(body_text)):
+            if text is None:
+                continue
+            try:
+                self.public_key.verify(signature, text.encode("utf-8"))
+            except InvalidSignature:
+                continue
+            return True
+        self.problem(f"line {number}: {what} signature does not verify (edited or forged)")
+        return False
 
     # ---- records ------------------------------------------------------------------------------
 
@@ -250,16 +271,21 @@ class _Verifier:
             return
         self.records += 1
         chain, seq, prev_hash = body["chain"], body["seq"], body["prev_hash"]
-        if sha256_hex(body_text.encode("utf-8")) != claimed:
+        if not _hashes_to(body_text, claimed):
             self.problem(
                 f"line {number}: {chain} seq {seq}: hash does not match the record (edited)"
             )
         if not is_chain_of(chain, body["tenant"]):
             self.problem(f"line {number}: record of tenant {body['tenant']!r} filed in {chain!r}")
         block = self.block
+        purge, self.pending_purge = self.pending_purge, None
         if block is None or block.chain != chain:
             self.start_block(number, chain, seq, prev_hash, claimed, body["time_us"])
+            if purge is not None and self.block is not None:
+                self.block.purged = self.purge_matches(purge, chain, seq, prev_hash)
             return
+        if purge is not None:
+            self.problem(f"line {purge[3]}: purge statement inside the block of {chain}")
         if block.group:  # the checkpoints just before this record were interim ones
             self.check_group(block, block.group)
             block.group = []
@@ -296,6 +322,35 @@ class _Verifier:
             last_time_us=time_us,
             from_genesis=seq == 1,
         )
+
+    # ---- purge statements ---------------------------------------------------------------------
+
+    def purge(self, number: int, body_text: str, body: dict[str, Any], seal: str) -> None:
+        if set(body) != _PURGE_KEYS or not (
+            isinstance(body["chain"], str)
+            and _is_int(body["first_seq"])
+            and _is_int(body["time_us"])
+            and _is_hex64(body["prev_hash"])
+        ):
+            self.problem(f"line {number}: purge statement fields are missing, extra or malformed")
+            return
+        if not self.signature_ok(number, "purge statement", body_text, body, seal):
+            return
+        if self.pending_purge is not None:
+            self.problem(f"line {number}: two purge statements in a row")
+        self.pending_purge = (body["chain"], body["first_seq"], body["prev_hash"], number)
+
+    def purge_matches(
+        self, purge: tuple[str, int, str, int], chain: str, seq: int, prev_hash: str
+    ) -> bool:
+        """Whether the purge statement before a block's first record explains where it starts."""
+        if purge[:3] == (chain, seq, prev_hash):
+            return True
+        self.problem(
+            f"line {purge[3]}: the purge statement of {purge[0]} (first kept seq {purge[1]}) "
+            f"does not match the first record of {chain}, seq {seq} (records deleted?)"
+        )
+        return False
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -357,6 +412,7 @@ class _Verifier:
                 head_hash=block.last_hash,
                 checkpoints=block.checkpoints,
                 from_genesis=block.from_genesis,
+                purged=block.purged,
             )
         )
         self.block_times[block.chain] = (block.first_time_us, block.last_time_us)
@@ -411,6 +467,11 @@ class _Verifier:
                 )
             if tenant is not None and not is_chain_of(summary.chain, tenant):
                 self.problem(f"chain {summary.chain} is in an export of tenant {tenant!r} only")
+            if not summary.from_genesis and not summary.purged and since_us is None:
+                self.problem(
+                    f"{summary.chain}: starts at seq {summary.first_seq} without a signed purge "
+                    "statement (its oldest records were deleted, not purged by retention)"
+                )
             first_time, last_time = self.block_times[summary.chain]
             if since_us is not None and first_time < since_us:
                 self.problem(f"{summary.chain}: first record is before the export's since bound")
@@ -438,6 +499,14 @@ class _Verifier:
             tenant=tenant if isinstance(tenant, str) else None,
             exported_at=exported / 1_000_000 if isinstance(exported, int) else None,
         )
+
+
+def _hashes_to(body_text: str, claimed: str) -> bool:
+    """Whether the record body hashes to ``claimed`` (as written now, or by older tenantkv)."""
+    if sha256_hex(body_text.encode("utf-8")) == claimed:
+        return True
+    legacy = legacy_text(body_text)
+    return legacy is not None and sha256_hex(legacy.encode("utf-8")) == claimed
 
 
 def _load_public_key(pem: bytes) -> Ed25519PublicKey | None:

@@ -91,9 +91,16 @@ class CacheConfig:
     #: destroyed keys from the index's files (SQLite's write-ahead log; PostgreSQL's dead
     #: tuples) before it reports the scrub incomplete and leaves it to the next GC run.
     scrub_timeout: float = 2.0
+    #: The audit log's anchor file: signed checkpoints kept outside the database, so that a
+    #: database-only attacker cannot rewind or rewrite audit chains (docs/audit.md). Default
+    #: ``<root>/audit-anchors.jsonl``, beside the default key file; put it where the database's
+    #: administrators cannot write.
+    audit_anchor_path: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+        if self.audit_anchor_path is not None:
+            object.__setattr__(self, "audit_anchor_path", Path(self.audit_anchor_path))
         try:
             object.__setattr__(self, "suite", CipherSuite.parse(self.suite))
         except ValueError as err:
@@ -119,6 +126,10 @@ class CacheConfig:
     @property
     def index_url(self) -> str:
         return self.database_url or default_database_url(self.root)
+
+    @property
+    def anchor_file(self) -> Path:
+        return self.audit_anchor_path or self.root / "audit-anchors.jsonl"
 
     @property
     def blocks_url(self) -> str:

@@ -61,7 +61,7 @@ def build_context(
 ) -> CacheContext:
     """Wire the components together (nothing is read or written yet)."""
     keys = Keyring(key_wrapper)
-    audit = TenantAuditLog(key_wrapper, clock=clock)
+    audit = TenantAuditLog(key_wrapper, clock=clock, anchor_path=config.anchor_file)
     attribution = Attribution(f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR)
     health = HealthCounters()
     remover = ExtentRemover(index, blocks)

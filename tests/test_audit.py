@@ -450,11 +450,10 @@ def test_checkpoints_sign_the_head_and_ride_along_in_exports(
         log.checkpoint(session, chain_for("nobody"))
 
 
-def test_a_rewritten_chain_fails_against_an_earlier_stored_checkpoint(
-    db: Database, log: AuditLog
-) -> None:
-    """Someone with write access to the database recomputes every hash after editing record 1;
-    the export re-signs the new head, but the stored checkpoint still names the old one."""
+def test_a_rewritten_chain_is_refused_by_the_head_mac(db: Database, log: AuditLog) -> None:
+    """Someone with write access to the database recomputes every hash after editing record 1
+    and moves the head; without the master key the head's MAC cannot follow, so the export
+    refuses before signing anything (and the stored checkpoint still names the old head)."""
     for _ in range(3):
         append(db, log, event_for("acme"))
     with db.write() as session:
@@ -494,9 +493,10 @@ def test_a_rewritten_chain_fails_against_an_earlier_stored_checkpoint(
             .where(AuditChainHead.chain == "tenant:acme")
             .values(last_hash=prev)
         )
+    with pytest.raises(AuditChainError, match="fails its MAC"):
+        list(log.export(db.read, tenant="acme"))
     report = verify_export(log.export(db.read, tenant="acme"), pem)
     assert not report.ok
-    assert any("records changed after it was signed" in p for p in report.problems)
 
 
 def test_signing_key_is_stored_wrapped_never_in_clear(

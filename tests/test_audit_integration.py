@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import secrets
+import stat
 import threading
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 import tenantkv
 from tenantkv import TenantKV
@@ -150,3 +152,63 @@ def test_nodes_collecting_at_once_write_one_usage_summary(tmp_path: Path) -> Non
     finally:
         for node in nodes:
             node.close()
+
+
+@pytest.mark.usefixtures("index")
+def test_the_cache_anchors_its_audit_log_and_the_cli_refuses_a_rewound_chain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the real cache: GC and exports append to ``<root>/audit-anchors.jsonl`` (0600),
+    and ``tenantkv audit export`` refuses (exit 2) once the database alone rewound a chain."""
+    root = tmp_path / "c"
+    with tenantkv.open(root, durable=False) as kv:
+        kv.create_tenant("acme")
+        kv.update_tenant("acme", quota_bytes=2**27)
+        kv.gc(orphan_grace=10**9)
+        assert _actions(kv, "acme") == ["tenant.create", "tenant.update"]  # positive control
+        with kv.context.index.read() as session:
+            first_hash = session.execute(
+                text(
+                    "SELECT hash FROM tkv_audit_records WHERE chain LIKE 'tenant:acme%' AND seq = 1"
+                )
+            ).scalar_one()
+    anchors = root / "audit-anchors.jsonl"
+    assert stat.S_IMODE(anchors.stat().st_mode) == 0o600
+    assert any(
+        json.loads(line)["chain"].startswith("tenant:acme")
+        for line in anchors.read_text().splitlines()
+    )
+    export = tmp_path / "acme.jsonl"
+    assert main(["audit", "export", str(root), "--tenant", "acme", "--output", str(export)]) == 0
+    with tenantkv.open(root, durable=False) as kv, kv.context.index.write() as session:
+        session.execute(
+            text("DELETE FROM tkv_audit_records WHERE chain LIKE 'tenant:acme%' AND seq > 1")
+        )
+        session.execute(
+            text(
+                "UPDATE tkv_audit_heads SET last_seq = 1, last_hash = :h"
+                " WHERE chain LIKE 'tenant:acme%'"
+            ),
+            {"h": first_hash},
+        )
+    capsys.readouterr()
+    assert main(["audit", "export", str(root), "--tenant", "acme", "--output", str(export)]) == 2
+    assert "fails its MAC" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("index")
+def test_the_anchor_file_can_be_moved_out_of_the_root(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "anchors" / "kv.jsonl"
+    elsewhere.parent.mkdir()
+    config = tenantkv.CacheConfig.from_env(
+        {"TENANTKV_ROOT": str(tmp_path / "c"), "TENANTKV_AUDIT_ANCHOR_PATH": str(elsewhere)}
+    )
+    assert config.anchor_file == elsewhere
+    assert tenantkv.CacheConfig(root=tmp_path / "c").anchor_file == tmp_path / "c" / (
+        "audit-anchors.jsonl"
+    )
+    with tenantkv.open(config, durable=False) as kv:
+        kv.create_tenant("acme")
+        assert _actions(kv, "acme") == ["tenant.create"]  # the export anchors acme's chain
+    assert elsewhere.read_text().count("\n") == 1
+    assert not (tmp_path / "c" / "audit-anchors.jsonl").exists()

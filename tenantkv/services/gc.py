@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..audit import USAGE_SUMMARY
+from ..audit import USAGE_SUMMARY, AuditError
 from ..context import CacheContext
 from ..index import extents, leases, settings
 from ..index import tenants as tenant_rows
@@ -78,8 +78,11 @@ def collect(
             leases.drop_lapsed(session, time.time())
         ctx.meter.flush(ctx.index)
         _audit_maintenance(ctx, now)
+        ctx.audit.anchor(ctx.index.read)  # after the commit: anchors name committed heads only
     except SQLAlchemyError as err:  # metering and summaries are retried at the next run
         logger.warning("metering flush or audit maintenance failed: %s", err)
+    except (AuditError, OSError) as err:  # tampering or an unwritable anchor file: say so loudly
+        logger.error("audit integrity check or anchoring failed: %s", err)
     retry_pending_scrub(ctx)  # shredded keys a reader's snapshot kept in the index's files
     return GcReport(len(expired), removed_bytes, orphans, temporary)
 

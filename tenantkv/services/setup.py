@@ -12,8 +12,8 @@ _KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
 
 
 def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
-    """Create the schema, check the master key, make the audit signing key and the initial
-    capacity, and read the key epoch.
+    """Create the schema, check the master key, prepare the audit log (signing key, MAC
+    columns of an older index) and the initial capacity, and read the key epoch.
 
     The admin API's token table is made (or brought up to date) here too, not only when the
     server starts: deleting a tenant revokes its tokens in the deletion's own transaction, on
@@ -24,7 +24,7 @@ def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
         api_tokens.ensure_table(ctx.index)
         check_master_key(ctx, wrapper)
         with ctx.index.write() as session:
-            ctx.audit.ensure_signing_key(session)
+            ctx.audit.prepare(session)  # also upgrades an older index's audit tables
         init_capacity(ctx)
     ctx.key_epoch.check()
 
