@@ -33,6 +33,7 @@ from .audit import (
 )
 from .config import config_for_root, default_root
 from .crypto import MasterKeyError
+from .index import tenants as tenant_rows
 
 
 def parse_time(text: str) -> float:
@@ -107,15 +108,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
                 kv.context.index.write() as session
             ):  # the export is itself audited, before it runs
                 log.ensure_signing_key(session)
+                # An export of a tenant that no longer exists (its past chains) is recorded on
+                # the system chain: filing it under the name would start a chain for no tenant.
+                exists = (
+                    args.tenant is not None and tenant_rows.id_of(session, args.tenant) is not None
+                )
                 log.append(
                     session,
                     AuditEvent(
                         actor=_actor(),
                         role=ROLE_OPERATOR,
-                        tenant=args.tenant,
+                        tenant=args.tenant if exists else None,
                         action=AUDIT_EXPORT,
                         target=args.output or "-",
-                        details={"format": args.format, "since": args.since, "until": args.until},
+                        details={
+                            "format": args.format,
+                            "since": args.since,
+                            "until": args.until,
+                            "tenant": args.tenant,
+                        },
                     ),
                 )
             lines = log.export(

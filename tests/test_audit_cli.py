@@ -73,10 +73,11 @@ def test_export_public_key_verify_round_trip(
 
     assert run(["audit", "verify", str(export), "--public-key", str(key)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("OK: 3 records in 1 chains") and "tenant:acme seq 1..3" in out
+    # "acme" is a chain here, not a tenant: the export's own record is on the system chain
+    assert out.startswith("OK: 2 records in 1 chains") and "tenant:acme seq 1..2" in out
     lines = export.read_text().splitlines()
     actions = [json.loads(line.rsplit(',"', 1)[0] + "}").get("action") for line in lines]
-    assert actions[:3] == [TENANT_CREATE, KEYS_ROTATE, AUDIT_EXPORT]  # the export audits itself
+    assert actions[:2] == [TENANT_CREATE, KEYS_ROTATE]
     assert not any("globex" in line for line in lines)
     assert not list(tmp_path.glob(".acme.jsonl.*"))  # no temp file left behind
 
@@ -125,7 +126,9 @@ def test_main_runs_the_audit_commands_on_its_own(
 ) -> None:
     assert cli_audit.main(["audit", "export", str(root), "--tenant", "globex"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and json.loads(lines[-1].rsplit(',"', 1)[0] + "}")["type"] == "export"
+    # globex's one record (the export's own record is on the system chain: globex is a chain
+    # here, not a tenant), the checkpoint the export anchored, and the export line
+    assert len(lines) == 3 and json.loads(lines[-1].rsplit(',"', 1)[0] + "}")["type"] == "export"
 
 
 @pytest.mark.parametrize(
@@ -150,3 +153,26 @@ def test_bad_times_and_ranges_are_refused(root: Path, capsys: pytest.CaptureFixt
     capsys.readouterr()
     assert run(["audit", "export", str(root), "--since", "20", "--until", "10"]) == 2
     assert "--since must be before --until" in capsys.readouterr().err
+
+
+def test_an_export_is_recorded_on_the_tenants_chain_or_for_no_tenant_on_the_system_chain(
+    root: Path, tmp_path: Path
+) -> None:
+    """Exporting the chains of a name that is no tenant now (one deleted, or never created)
+    must not start a chain for it: the export's own record goes to the system chain."""
+    with tenantkv.open(root, durable=False) as kv:
+        kv.create_tenant("initech")
+    for name in ("initech", "acme"):
+        assert run(["audit", "export", str(root), "--tenant", name, "--output", "/dev/null"]) == 0
+    whole = tmp_path / "all.jsonl"
+    assert run(["audit", "export", str(root), "--output", str(whole)]) == 0
+    records = [json.loads(line) for line in whole.read_text().splitlines()]
+    exports = {
+        r["details"]["tenant"]: r["chain"]
+        for r in records
+        if r.get("action") == AUDIT_EXPORT and r["details"].get("tenant")
+    }
+    assert exports["initech"].startswith("tenant:initech@")  # positive control: a tenant's own
+    assert exports["acme"] == "system"
+    chains = {r["chain"] for r in records if "chain" in r}
+    assert chains == {"system", "tenant:acme", "tenant:globex", exports["initech"]}

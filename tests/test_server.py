@@ -396,6 +396,22 @@ def test_export_formats_and_offline_verification(api: Api) -> None:
     assert "tenant:globex" in everything.text and "tenant:acme" in everything.text
 
 
+def test_an_export_of_a_tampered_log_is_refused_before_it_starts(api: Api) -> None:
+    """A chain whose head fails its MAC makes the export a 409, not a 200 that stops short."""
+    whole = api.client.get("/v1/audit/export", headers=api.operator)
+    assert whole.status_code == 200 and "tenant:acme@" in whole.text  # positive control
+    with api.kv.context.index.engine.begin() as connection:
+        connection.execute(
+            text(
+                "UPDATE tkv_audit_heads SET last_seq = last_seq - 1 "
+                "WHERE chain LIKE 'tenant:acme@%'"
+            )
+        )
+    refused = api.client.get("/v1/audit/export", headers=api.operator)
+    assert refused.status_code == 409 and refused.json()["error"] == "audit_chain"
+    assert api.client.get("/v1/audit/export", headers=api.globex).status_code == 200
+
+
 def test_checkpoints(api: Api) -> None:
     c = api.client
     made = c.post("/v1/audit/checkpoints", json={"tenant": "acme"}, headers=api.operator)
