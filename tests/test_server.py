@@ -24,6 +24,7 @@ from sqlalchemy import inspect, text
 import tenantkv
 from tenantkv import TenantKV
 from tenantkv.audit import chain_for, verify_export
+from tenantkv.health import INCOMPLETE_SCRUBS, SCRUB_PENDING
 from tenantkv.index import tenants as tenant_rows
 from tenantkv.server.app import create_app
 from tenantkv.server.auth import (
@@ -137,6 +138,13 @@ def test_metrics_text_format_without_tenant_names(api: Api) -> None:
     assert (
         "acme" not in text and "globex" not in text and "tkv_" not in text.replace("tenantkv_", "")
     )
+    assert "tenantkv_scrub_pending 0\n" in text
+    # what the shredding service records when a reader's snapshot held a scrub back
+    api.kv.context.health.count(INCOMPLETE_SCRUBS)
+    api.kv.context.health.set(SCRUB_PENDING, 1)
+    text = api.client.get("/metrics", headers=api.auditor).text
+    assert "tenantkv_scrub_pending 1\n" in text
+    assert 'tenantkv_health_events_total{kind="incomplete_scrubs"} 1\n' in text
 
 
 # ---- tenants -----------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..health import SCRUB_PENDING
+
 if TYPE_CHECKING:
     from ..api import TenantKV
     from .refusals import RefusalLog
@@ -59,6 +61,18 @@ class Metrics:
         ]
         for kind, count in sorted(kv.security_events().items()):
             lines.append(f'tenantkv_security_events_total{{kind="{_label(kind)}"}} {count}')
+        health = kv.health_counters()
+        lines += [
+            "# HELP tenantkv_scrub_pending 1 while shredded keys may still be in the index's "
+            "files (an incomplete scrub that the next GC run retries), else 0.",
+            "# TYPE tenantkv_scrub_pending gauge",
+            f"tenantkv_scrub_pending {health.pop(SCRUB_PENDING, 0)}",
+            "# HELP tenantkv_health_events_total Faults of this process that are not security "
+            "events: lost extents, operations degraded to a miss, incomplete scrubs.",
+            "# TYPE tenantkv_health_events_total counter",
+        ]
+        for kind, count in sorted(health.items()):
+            lines.append(f'tenantkv_health_events_total{{kind="{_label(kind)}"}} {count}')
         with self._lock:
             requests = sorted(self._requests.items())
             seconds = sorted(self._seconds.items())
