@@ -29,9 +29,7 @@ def main(root: str, database_url: str, seed: int, num_tokens: int) -> None:
     tokens = random_tokens(num_tokens, seed=seed)
     expected = random_layers(MLA_SMALL, num_tokens, seed=seed)
     with tenantkv.open(Path(root), durable=False, database_url=database_url) as kv:
-        if "acme" not in namespaces:
-            namespaces["acme"] = kv.namespace("acme", model="fleet-model", layout=MLA_SMALL)
-        ns = namespaces["acme"]
+        ns = kv.namespace("acme", model="fleet-model", layout=MLA_SMALL)
         with ns.load(tokens) as stream:
             first = stream.wait_for_layer(0)
             cached_before = sorted(t.hex() for t in kv.context.keys.cached_tenants())

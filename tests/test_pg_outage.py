@@ -155,9 +155,7 @@ def test_an_unreachable_server_degrades_to_misses_and_the_node_recovers(
             assert all(map(layers_equal, layers, hot_kv))
             finishing.close()
             # the coordination thread meets the outage, and A's lease lapses meanwhile
-            assert _wait_for(
-                lambda: any("lease writes" in r.getMessage() for r in caplog.records)
-            )
+            assert _wait_for(lambda: any("lease writes" in r.getMessage() for r in caplog.records))
             assert _wait_for(lambda: not node_b.leased_extents())
             assert ns_b.lookup(hot) == TOKENS and ns_b.lookup(blocked) == 0  # B unaffected
 
