@@ -9,6 +9,8 @@ lookups never wait on writers (WAL lets readers run beside one writer).
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -34,6 +36,10 @@ _IMMEDIATE = "tenantkv_immediate"
 # the index's tables and settings on opening, "ddl" while it creates tables; take_turns() names
 # others.
 _ADVISORY = "SELECT pg_advisory_{}(hashtext('tenantkv.{}:' || current_schema()))"
+#: Seconds a new PostgreSQL connection may take: an unreachable server (a dropped route, a
+#: firewall that drops packets) then fails an operation, which degrades to a miss, instead of
+#: holding it for the operating system's TCP timeout (minutes).
+_PG_CONNECT_TIMEOUT_S = 5
 
 
 def _enable_wal(cursor: Any, timeout: float = 30.0) -> None:
@@ -89,15 +95,42 @@ class LogScrub:
     detail: str
 
 
+def _server_connect_args(url: str) -> tuple[dict[str, Any], str | None]:
+    """Connection settings for a database server, and the ``application_name`` this cache's
+    connections carry there.
+
+    A name per cache (``tenantkv:<pid>:<random>``) shows in ``pg_stat_activity``, so an operator
+    (or a test) can tell the nodes' connections apart and act on one node's alone. A name or
+    timeout given in the URL's query wins."""
+    query = make_url(url).query
+    args: dict[str, Any] = {}
+    name = query.get("application_name")
+    if name is None:
+        name = f"tenantkv:{os.getpid()}:{secrets.token_hex(4)}"
+        args["application_name"] = name
+    if "connect_timeout" not in query:
+        args["connect_timeout"] = _PG_CONNECT_TIMEOUT_S
+    return args, name if isinstance(name, str) else None
+
+
 class Database:
-    """Owns the engine; hands out read and write sessions."""
+    """Owns the engine; hands out read and write sessions.
+
+    On a server, the pool tests each connection before lending it (``pool_pre_ping``): after
+    the server restarted or killed this node's backends, the next operation reconnects by
+    itself; only operations already running when it went away fail (and degrade to a miss)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         is_sqlite = url.startswith("sqlite")
         connect_args: dict[str, Any] = {"check_same_thread": False} if is_sqlite else {}
+        #: What this cache's connections are called on a PostgreSQL server (None on SQLite).
+        self.application_name: str | None = None
         if is_sqlite:
             _private_database_file(url)
+        elif url.startswith("postgresql"):
+            extra, self.application_name = _server_connect_args(url)
+            connect_args.update(extra)
         self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
         if is_sqlite:
             _configure_sqlite(self.engine)
