@@ -13,6 +13,8 @@
 #             PostgreSQL ($TENANTKV_PKGCHECK_POSTGRES, default postgresql://postgres@127.0.0.1:5432/test)
 #             in a fresh schema that is dropped afterwards. If the server is not reachable that
 #             part is reported as skipped (set TENANTKV_PKGCHECK_REQUIRE_POSTGRES=1 to fail instead)
+#   metrics   the wheel with [metrics] alone: a lookup moves tenantkv_miss_tokens_total in the
+#             cache's own registry (in the bare install metrics are no-ops: metrics_registry None)
 #
 # How the venvs are made, and why this is still a fresh install: `pip install torch==2.13.0` takes
 # about a minute here (unpacking ~900 MB), so doing it once per venv would make this check take
@@ -34,13 +36,14 @@ PYTHON=${PYTHON:-python3}
 TORCH_PIN="torch==2.13.0"
 WORK="$REPO/build/pkgcheck"
 PG_CONNINFO=${TENANTKV_PKGCHECK_POSTGRES:-postgresql://postgres@127.0.0.1:5432/test}
-EXTRAS="server hf postgres"
+EXTRAS="server hf postgres metrics"
 # top-level modules each extra brings: when checking one install, the other extras' are allowed
 # to be missing (and only those)
 declare -A EXTRA_MODULES=(
     [server]="fastapi starlette pydantic pydantic_settings uvicorn"
     [hf]="transformers"
     [postgres]="psycopg"
+    [metrics]="prometheus_client"
 )
 started=$SECONDS
 checked=()
@@ -137,17 +140,19 @@ in_scratch "$venv/bin/python" -c '
 import importlib.util, sys
 present = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is not None]
 assert not present, f"the bare install has extras modules: {present}"
-' ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} ||
-    fail "base venv is not bare"
+' ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} \
+    ${EXTRA_MODULES[metrics]} || fail "base venv is not bare"
 in_scratch "$venv/bin/python" "$REPO/scripts/readme_use_example.py" "$SCRATCH/base-cache" ||
     fail "base: the README's Use example"
 # shellcheck disable=SC2086
 in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_imports.py" \
-    ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} ||
-    fail "base: a module does not import"
+    ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} \
+    ${EXTRA_MODULES[metrics]} || fail "base: a module does not import"
+in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/base-metrics" absent ||
+    fail "base: a cache without prometheus_client"
 logged "$LOGS/cli-init.log" in_scratch "$venv/bin/tenantkv" init "$SCRATCH/cli-root"
 echo "tenantkv init (console script): ok"
-checked+=("base: pip check, README Use example, imports, tenantkv init")
+checked+=("base: pip check, README Use example, imports, tenantkv init, no-op metrics")
 
 # --- each extra alone ----------------------------------------------------------------------
 others_of() {
@@ -262,6 +267,11 @@ EOF
         else
             checked+=("postgres alone: imports, README Use example on PostgreSQL")
         fi
+        ;;
+    metrics)
+        in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/metrics" present ||
+            fail "metrics: the cache's registry"
+        checked+=("metrics alone: a lookup moves tenantkv_miss_tokens_total")
         ;;
     esac
 done

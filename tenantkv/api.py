@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -42,6 +42,9 @@ from .services.setup import prepare_index
 from .services.tenants import TenantInfo
 from .staging import RingStats
 from .storage import BlockStore, LocalBlockStore, StorageError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger("tenantkv")
 
@@ -296,6 +299,14 @@ class TenantKV:
         extents (bytes gone or short: a miss) and operations degraded to a miss because the
         index or block store failed (``degraded_lookup``, ``degraded_store``, ...)."""
         return self._ctx.health.counts()
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """This cache's data-plane metrics, for the embedding process to expose, e.g.
+        ``prometheus_client.generate_latest(kv.metrics_registry)`` (docs/architecture.md,
+        Metrics). Its own registry, not the process-wide default one; None when the
+        ``metrics`` extra (``prometheus_client``) is not installed."""
+        return self._ctx.metrics.registry
 
     def info(self) -> dict[str, Any]:
         """A summary for operators: where things live and how much is cached."""

@@ -96,6 +96,9 @@ class CacheConfig:
     #: ``<root>/audit-anchors.jsonl``, beside the default key file; put it where the database's
     #: administrators cannot write.
     audit_anchor_path: Path | None = None
+    #: Label data-plane metrics with the tenant's name. Off by default: whoever reads the
+    #: metrics then learns every tenant's name and usage (docs/architecture.md, Metrics).
+    metrics_tenant_labels: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -199,7 +202,7 @@ _INTS = {
     "default_quota_bytes",
 }
 _FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
-_BOOLS = {"durable", "strict"}
+_BOOLS = {"durable", "strict", "metrics_tenant_labels"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

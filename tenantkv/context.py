@@ -24,6 +24,7 @@ from .index.audit_chains import TenantAuditLog
 from .index.database import Database
 from .keyring import Keyring
 from .metering import Meter
+from .metrics import DataPlaneMetrics, new_metrics
 from .runtime import Runtime
 from .serving import ServingPolicy
 from .storage import BlockStore
@@ -39,6 +40,8 @@ class CacheContext:
     meter: Meter
     incidents: SecurityIncidents
     health: HealthCounters
+    #: Data-plane metrics in this cache's own registry (no-ops without prometheus_client).
+    metrics: DataPlaneMetrics
     serving: ServingPolicy
     audit: AuditLog
     remover: ExtentRemover
@@ -65,6 +68,12 @@ def build_context(
     attribution = Attribution(f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR)
     health = HealthCounters()
     remover = ExtentRemover(index, blocks)
+    incidents = SecurityIncidents(index, audit, attribution)
+    metrics = new_metrics(
+        tenant_labels=config.metrics_tenant_labels,
+        health=health.counts,
+        security_events=incidents.log.counts,
+    )
     return CacheContext(
         config=config,
         index=index,
@@ -72,8 +81,9 @@ def build_context(
         keys=keys,
         runtime=Runtime(config),
         meter=Meter(),
-        incidents=SecurityIncidents(index, audit, attribution),
+        incidents=incidents,
         health=health,
+        metrics=metrics,
         serving=ServingPolicy(config.strict, health),
         audit=audit,
         remover=remover,

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -260,6 +261,10 @@ class LoadStream:
         self._demanded = -1  # the caller asked for this layer: load up to it whatever the window
         self._released = 0  # layers before this were handed over by iteration and let go
         self._handed = [False] * self.num_layers
+        #: ``time.perf_counter()`` when layer 0 was handed over, and when the latest layer
+        #: was first handed over (None before): the cache's metrics read them on close.
+        self.first_layer_at: float | None = None
+        self.last_handed_at: float | None = None
         self._running = 0  # worker tasks queued or running
         self._busy = 0  # chunks taken by a worker and not yet finished
         self._tasks: list[Future[None]] = []
@@ -569,7 +574,11 @@ class LoadStream:
                     raise CacheClosedError("the load stream was closed while waiting")
                 output = self._outputs[index]
                 event = self._events[index]
-                self._handed[index] = True
+                if not self._handed[index]:
+                    self._handed[index] = True
+                    self.last_handed_at = time.perf_counter()
+                    if index == 0:
+                        self.first_layer_at = self.last_handed_at
                 if release:
                     # Drop our reference so the caller alone decides the layer's lifetime; the
                     # allocator then reuses its memory for the layers that follow.

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 import uvicorn
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import inspect, text
 
 import tenantkv
@@ -138,13 +139,36 @@ def test_metrics_text_format_without_tenant_names(api: Api) -> None:
     assert (
         "acme" not in text and "globex" not in text and "tkv_" not in text.replace("tenantkv_", "")
     )
-    assert "tenantkv_scrub_pending 0\n" in text
+    assert "tenantkv_scrub_pending 0.0\n" in text
     # what the shredding service records when a reader's snapshot held a scrub back
     api.kv.context.health.count(INCOMPLETE_SCRUBS)
     api.kv.context.health.set(SCRUB_PENDING, 1)
     text = api.client.get("/metrics", headers=api.auditor).text
-    assert "tenantkv_scrub_pending 1\n" in text
-    assert 'tenantkv_health_events_total{kind="incomplete_scrubs"} 1\n' in text
+    assert "tenantkv_scrub_pending 1.0\n" in text
+    assert 'tenantkv_health_events_total{kind="incomplete_scrubs"} 1.0\n' in text
+
+
+def test_metrics_parse_and_include_the_data_plane_without_tenant_names(api: Api) -> None:
+    """One registry: the service's counters, the cache's gauges and its data-plane metrics, in
+    the format Prometheus's own parser reads."""
+    store_some(api.kv, "acme")  # a store and a lookup that hits 128 tokens
+    api.client.get("/v1/tenants/acme", headers=api.acme)
+    api.client.get("/v1/tenants/acme")  # a 401
+    text = api.client.get("/metrics", headers=api.auditor).text
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples[("tenantkv_hit_tokens_total", ())] == 128
+    assert samples[("tenantkv_stored_bytes_total", ())] > 0
+    assert samples[("tenantkv_tenants", ())] == 2
+    assert samples[("tenantkv_cached_bytes", ())] > 0
+    assert ("tenantkv_time_to_first_layer_seconds_count", ()) in samples
+    assert samples[("tenantkv_auth_refused_total", (("reason", "missing"),))] >= 1
+    route = (("method", "GET"), ("route", "/v1/tenants/{name}"), ("status", "200"))
+    assert samples[("tenantkv_http_requests_total", route)] == 1
+    assert all("acme" not in str(labels) and "globex" not in str(labels) for _, labels in samples)
 
 
 # ---- tenants -----------------------------------------------------------------------------------

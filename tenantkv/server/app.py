@@ -42,7 +42,7 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
         description="Authenticated tenant management for tenantkv. See docs/admin-api.md.",
         lifespan=_flushing(refusals),
     )
-    metrics = Metrics(refusals)
+    metrics = Metrics(kv, refusals)
     app.state.kv = kv
     app.state.settings = config
     app.state.metrics = metrics

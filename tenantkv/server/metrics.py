@@ -1,21 +1,29 @@
-"""Prometheus metrics (text exposition format) and the request middleware that feeds them.
+"""Prometheus metrics of the admin service (``prometheus_client``) and the request middleware
+that feeds them.
+
+``/metrics`` renders one registry of the service's own: request counters, refused
+authentications, the cache's gauges (tenants, extents, bytes, capacity) read at scrape time,
+and the cache's data-plane registry (``kv.metrics_registry``: hits, loads, evictions, health and
+security events; see :mod:`tenantkv.metrics`).
 
 Labels never carry tenant names, tokens or raw paths: a request is counted under its route
-*template* (``/v1/tenants/{name}``), or ``unmatched``, with its method and status code.
+*template* (``/v1/tenants/{name}``), or ``unmatched``, with its method and status code. The
+data-plane metrics carry tenant names only if the cache was opened with
+``metrics_tenant_labels=True``.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 import time
 import uuid
-from collections import Counter
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from ..health import SCRUB_PENDING
 
 if TYPE_CHECKING:
     from ..api import TenantKV
@@ -27,104 +35,110 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class Metrics:
-    """Request counters and latency sums, by (method, route template, status), and the counts
-    of refused authentications (by reason only: source addresses are unbounded)."""
+    """The service's registry: request counters and latency sums, by (method, route template,
+    status), the counts of refused authentications (by reason only: source addresses are
+    unbounded), the cache's gauges and its data-plane metrics."""
 
-    def __init__(self, refusals: RefusalLog | None = None) -> None:
-        self._refusals = refusals
-        self._lock = threading.Lock()
-        self._requests: Counter[tuple[str, str, int]] = Counter()
-        self._seconds: dict[tuple[str, str], float] = {}
+    def __init__(self, kv: TenantKV, refusals: RefusalLog | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter(
+            "tenantkv_http_requests",
+            "Admin API requests.",
+            ("method", "route", "status"),
+            registry=self.registry,
+        )
+        self._seconds = Counter(
+            "tenantkv_http_request_seconds",
+            "Time spent answering admin API requests.",
+            ("method", "route"),
+            registry=self.registry,
+        )
+        self.registry.register(_CacheGauges(kv))
+        if refusals is not None:
+            self.registry.register(_Refusals(refusals))
+        if kv.metrics_registry is not None:
+            self.registry.register(_Included(kv.metrics_registry))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        with self._lock:
-            self._requests[(method, route, status)] += 1
-            self._seconds[(method, route)] = self._seconds.get((method, route), 0.0) + seconds
+        self._requests.labels(method, route, str(status)).inc()
+        self._seconds.labels(method, route).inc(seconds)
 
-    def render(self, kv: TenantKV) -> str:
-        info = kv.info()
-        lines = [
-            "# HELP tenantkv_tenants Tenants in the cache.",
-            "# TYPE tenantkv_tenants gauge",
-            f"tenantkv_tenants {info['tenants']}",
-            "# HELP tenantkv_extents Cached extents.",
-            "# TYPE tenantkv_extents gauge",
-            f"tenantkv_extents {info['extents']}",
-            "# HELP tenantkv_stored_bytes Bytes of cached KV (plaintext size).",
-            "# TYPE tenantkv_stored_bytes gauge",
-            f"tenantkv_stored_bytes {info['stored_bytes']}",
-            "# HELP tenantkv_capacity_bytes Capacity that tenant quotas reserve from.",
-            "# TYPE tenantkv_capacity_bytes gauge",
-            f"tenantkv_capacity_bytes {info['capacity_bytes']}",
-            "# HELP tenantkv_security_events_total Security events recorded by this process.",
-            "# TYPE tenantkv_security_events_total counter",
-        ]
-        for kind, count in sorted(kv.security_events().items()):
-            lines.append(f'tenantkv_security_events_total{{kind="{_label(kind)}"}} {count}')
-        health = kv.health_counters()
-        lines += [
-            "# HELP tenantkv_scrub_pending 1 while shredded keys may still be in the index's "
-            "files (an incomplete scrub that the next GC run retries), else 0.",
-            "# TYPE tenantkv_scrub_pending gauge",
-            f"tenantkv_scrub_pending {health.pop(SCRUB_PENDING, 0)}",
-            "# HELP tenantkv_health_events_total Faults of this process that are not security "
-            "events: lost extents, operations degraded to a miss, incomplete scrubs.",
-            "# TYPE tenantkv_health_events_total counter",
-        ]
-        for kind, count in sorted(health.items()):
-            lines.append(f'tenantkv_health_events_total{{kind="{_label(kind)}"}} {count}')
-        with self._lock:
-            requests = sorted(self._requests.items())
-            seconds = sorted(self._seconds.items())
-        lines += [
-            "# HELP tenantkv_http_requests_total Admin API requests.",
-            "# TYPE tenantkv_http_requests_total counter",
-        ]
-        for (method, route, status), count in requests:
-            lines.append(
-                f'tenantkv_http_requests_total{{method="{_label(method)}",'
-                f'route="{_label(route)}",status="{status}"}} {count}'
-            )
-        lines += [
-            "# HELP tenantkv_http_request_seconds_total Time spent answering admin API requests.",
-            "# TYPE tenantkv_http_request_seconds_total counter",
-        ]
-        for (method, route), total in seconds:
-            lines.append(
-                f'tenantkv_http_request_seconds_total{{method="{_label(method)}",'
-                f'route="{_label(route)}"}} {total:.6f}'
-            )
-        if self._refusals is not None:
-            lines += _refusal_lines(self._refusals)
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The Prometheus text exposition format (0.0.4)."""
+        return generate_latest(self.registry)
 
 
-def _refusal_lines(refusals: RefusalLog) -> list[str]:
-    stats = refusals.stats()
-    lines = [
-        "# HELP tenantkv_auth_refused_total Requests refused for want of a valid token (401).",
-        "# TYPE tenantkv_auth_refused_total counter",
-    ]
-    for reason, count in sorted(stats.refused.items()):
-        lines.append(f'tenantkv_auth_refused_total{{reason="{_label(reason)}"}} {count}')
-    lines += [
-        "# HELP tenantkv_auth_refused_folded_total 401s counted under 'other' (past the sources "
-        "audited by address in their window).",
-        "# TYPE tenantkv_auth_refused_folded_total counter",
-        f"tenantkv_auth_refused_folded_total {stats.folded}",
-        "# HELP tenantkv_auth_refusal_records_total Aggregate access.refused records written.",
-        "# TYPE tenantkv_auth_refusal_records_total counter",
-        f"tenantkv_auth_refusal_records_total {stats.records}",
-        "# HELP tenantkv_auth_refusal_flush_errors_total Windows of 401s that could not be "
-        "audited.",
-        "# TYPE tenantkv_auth_refusal_flush_errors_total counter",
-        f"tenantkv_auth_refusal_flush_errors_total {stats.flush_errors}",
-    ]
-    return lines
+class _CacheGauges(Collector):
+    """What the index holds now (one ``info()`` per scrape)."""
+
+    def __init__(self, kv: TenantKV) -> None:
+        self._kv = kv
+
+    def describe(self) -> list[Any]:
+        names = ("tenants", "extents", "cached_bytes", "capacity_bytes")
+        return [GaugeMetricFamily(f"tenantkv_{name}", "") for name in names]
+
+    def collect(self) -> Iterator[Any]:
+        info = self._kv.info()
+        yield GaugeMetricFamily("tenantkv_tenants", "Tenants in the cache.", info["tenants"])
+        yield GaugeMetricFamily("tenantkv_extents", "Cached extents.", info["extents"])
+        yield GaugeMetricFamily(
+            "tenantkv_cached_bytes",
+            "Bytes of cached KV (plaintext size) in the index now.",
+            info["stored_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "tenantkv_capacity_bytes",
+            "Capacity that tenant quotas reserve from.",
+            info["capacity_bytes"],
+        )
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Refusals(Collector):
+    """Refused authentications, from the refusal log's own counters at scrape time."""
+
+    def __init__(self, refusals: RefusalLog) -> None:
+        self._refusals = refusals
+
+    def describe(self) -> list[Any]:
+        names = ("refused", "refused_folded", "refusal_records", "refusal_flush_errors")
+        return [CounterMetricFamily(f"tenantkv_auth_{name}", "") for name in names]
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._refusals.stats()
+        refused = CounterMetricFamily(
+            "tenantkv_auth_refused",
+            "Requests refused for want of a valid token (401).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield CounterMetricFamily(
+            "tenantkv_auth_refused_folded",
+            "401s counted under 'other' (past the sources audited by address in their window).",
+            value=stats.folded,
+        )
+        yield CounterMetricFamily(
+            "tenantkv_auth_refusal_records",
+            "Aggregate access.refused records written.",
+            value=stats.records,
+        )
+        yield CounterMetricFamily(
+            "tenantkv_auth_refusal_flush_errors",
+            "Windows of 401s that could not be audited.",
+            value=stats.flush_errors,
+        )
+
+
+class _Included(Collector):
+    """Another registry's metrics (the cache's data plane), rendered as part of this one."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        yield from self._registry.collect()
 
 
 def request_id_of(scope: Scope) -> str:

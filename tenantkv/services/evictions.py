@@ -1,4 +1,5 @@
-"""After an eviction committed (rows gone): remove the bytes and meter it per scope."""
+"""After an eviction committed (rows gone): remove the bytes, meter it per scope and count it in
+the metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from ..index import namespaces
 from ..index.quota import Evicted
 
 
-def discard_evicted(ctx: CacheContext, tenant_id: bytes, evicted: list[Evicted]) -> None:
+def discard_evicted(
+    ctx: CacheContext, tenant_id: bytes, evicted: list[Evicted], tenant: str
+) -> None:
+    """``tenant`` is the tenant's name (a metrics label when tenant labels are enabled)."""
     if not evicted:
         return
     now = ctx.clock()
@@ -20,3 +24,4 @@ def discard_evicted(ctx: CacheContext, tenant_id: bytes, evicted: list[Evicted])
             ctx.meter.add(tenant_id, scope, now, expired_extents=1, expired_bytes=item.size_bytes)
         else:
             ctx.meter.add(tenant_id, scope, now, evicted_extents=1, evicted_bytes=item.size_bytes)
+        ctx.metrics.removed(tenant, 1, item.size_bytes, expired=item.expired)

@@ -49,6 +49,7 @@ def collect(
     with ctx.index.read() as session:  # a running load on any node keeps its extents
         held = ctx.leases.held(session, [row.id for row in expired])
     expired = [row for row in expired if row.id not in held]
+    names = _tenant_names(ctx) if expired and ctx.metrics.tenant_labels else {}
     existing = list(ctx.blocks.list())
     total = len(expired) + len(existing)
     done = 0
@@ -64,6 +65,7 @@ def collect(
             ctx.meter.add(
                 row.tenant_id, row.scope, now, expired_extents=1, expired_bytes=row.size_bytes
             )
+            ctx.metrics.removed(names.get(row.tenant_id, ""), 1, row.size_bytes, expired=True)
             removed_bytes += row.size_bytes
         done += len(batch)
         if progress is not None:
@@ -85,6 +87,13 @@ def collect(
         logger.error("audit integrity check or anchoring failed: %s", err)
     retry_pending_scrub(ctx)  # shredded keys a reader's snapshot kept in the index's files
     return GcReport(len(expired), removed_bytes, orphans, temporary)
+
+
+def _tenant_names(ctx: CacheContext) -> dict[bytes, str]:
+    """Tenant names by id, for metrics labelled by tenant (one query per GC run, and only
+    when those labels are enabled)."""
+    with ctx.index.read() as session:
+        return dict(tenant_rows.names_and_ids(session))
 
 
 def _audit_maintenance(ctx: CacheContext, now: float) -> None:

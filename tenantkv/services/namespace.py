@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -160,6 +161,7 @@ class Namespace:
                 return self._ctx.serving.degrade("lookup", err, 0)
             hit = self._run_from_zero(keys, present) * self.block_tokens
         self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
+        self._ctx.metrics.looked_up(self.tenant, hit, len(token_array) - hit)
         return hit
 
     def cached_length(self, tokens: Any) -> int:
@@ -286,11 +288,12 @@ class Namespace:
             raise
         if inserted == 0:
             self._ctx.blocks.delete(extent_id)  # another writer indexed these blocks first
-        discard_evicted(self._ctx, self.identity.tenant_id, evicted)
+        discard_evicted(self._ctx, self.identity.tenant_id, evicted, self.tenant)
         if inserted:
             self._meter(
                 stored_tokens=inserted * self.block_tokens, stored_bytes=geometry.total_bytes
             )
+            self._ctx.metrics.stored(self.tenant, geometry.total_bytes)
         return inserted * self.block_tokens
 
     def _seal_and_write_layer(
@@ -443,6 +446,7 @@ class Namespace:
         before the first layer.
         """
         self._ctx.runtime.check_open()
+        requested = time.perf_counter()  # the start of the load's latency metrics
         target_device = self._parse_device(device)
         token_array = as_token_array(tokens)
         if len(token_array) == 0 or len(token_array) % self.block_tokens:
@@ -507,7 +511,9 @@ class Namespace:
                 keys_exist=guard.keys_exist,
                 # Record the use after the load, off its critical path (the index write would
                 # otherwise compete for the interpreter with the first layer's workers).
-                on_close=lambda stream: self._finish_load(stream, lease, extent_ids, started),
+                on_close=lambda stream: self._finish_load(
+                    stream, lease, extent_ids, started, requested
+                ),
             )
         except BaseException:
             self._ctx.leases.release(lease)
@@ -619,15 +625,31 @@ class Namespace:
         return PlannedExtent(row.extent_id, geometry, cipher, row.key_version)
 
     def _finish_load(
-        self, stream: LoadStream, lease: bytes, extent_ids: list[str], started: float
+        self,
+        stream: LoadStream,
+        lease: bytes,
+        extent_ids: list[str],
+        started: float,
+        requested: float,
     ) -> None:
         """After a load: end its lease now (so eviction, GC and re-sealing see the extents as
         free the moment the load is closed, whatever the background pool is doing), meter it,
-        and in the background record the use and remove the bytes of extents that left the
-        index while the lease kept them."""
+        observe it in the metrics (here, once per load, off the path to its layers), and in the
+        background record the use and remove the bytes of extents that left the index while
+        the lease kept them."""
         self._ctx.leases.release(lease, remove_unindexed=False)
-        if stream.delivered_layers == stream.num_layers:
+        delivered = stream.delivered_layers
+        if delivered == stream.num_layers:
             self._meter(served_tokens=stream.num_tokens)
+        first, last = stream.first_layer_at, stream.last_handed_at
+        self._ctx.metrics.loaded(
+            self.tenant,
+            delivered * stream.num_tokens * self.layout.token_bytes,
+            seconds=last - requested
+            if last is not None and delivered == stream.num_layers
+            else None,
+            first_layer_seconds=None if first is None else first - requested,
+        )
         self._ctx.runtime.submit_background(self._touch, extent_ids, started)
 
     def _touch(self, extent_ids: list[str], now: float) -> None:

@@ -182,7 +182,7 @@ def update_tenant(
         if retention is not None:
             changes["retention"] = dict(info.retention or {})
         ctx.audit.append(session, by.event(name, TENANT_UPDATE, name, details=changes))
-    discard_evicted(ctx, row.id, evicted)
+    discard_evicted(ctx, row.id, evicted, name)
     return info
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.exc import SQLAlchemyError
 
 from ...errors import TenantKVError
 from ..dependencies import KV, AppMetrics, AppSettings, Credentials, caller_of, check_role
 
 router = APIRouter(tags=["system"])
-_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz")
@@ -32,8 +32,9 @@ def metrics(
     metrics: AppMetrics,
     credentials: Credentials,
 ) -> PlainTextResponse:
-    """Aggregates only: no tenant names or secrets in any label. Operators and auditors (or
-    anyone, with ``metrics_public``)."""
+    """Aggregates only: no tenant names or secrets in any label (unless the cache was opened
+    with ``metrics_tenant_labels``). Operators and auditors (or anyone, with
+    ``metrics_public``)."""
     if not settings.metrics_public:
         check_role(request, kv, caller_of(request, kv, credentials), ("operator", "auditor"))
-    return PlainTextResponse(metrics.render(kv), media_type=_PROMETHEUS)
+    return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
