@@ -29,4 +29,6 @@ def _run() -> None:
         context.run_migrations()
 
 
-_run()
+# Alembic runs this file with its context set up; a module scan (the package check) only imports it.
+if hasattr(context, "config"):
+    _run()
