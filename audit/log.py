@@ -80,7 +80,7 @@ from .integrity import (
     store_purge,
 )
 from .macs import check_record, head_mac, record_mac
-from .models import AuditChainHead, AuditCheckpointRow, AuditRecordRow, add_missing_columns
+from .models import AuditChainHead, AuditCheckpointRow, AuditRecordRow
 from .records import AuditRecord, Checkpoint
 from .signing import Signer, SigningKeys, insert_ignoring_duplicates
 from .signing import public_key_pem as _public_key_pem
@@ -206,22 +206,28 @@ class AuditLog:
     # ---- signing ------------------------------------------------------------------------------
 
     def prepare(self, session: Session) -> str:
-        """At open, in a write transaction: upgrade an older index, create the signing key.
+        """At open, in a write transaction: create the signing key if there is none yet; return
+        its id. Upgrading an older index's tables is no longer done here but by the index's
+        migrations (``tenantkv db upgrade``), which call :meth:`seal_upgraded`."""
+        return self._keys.signer(session).key_id
 
-        An index written before MACs existed gets its MAC columns here; its chain heads are then
-        MACed as they stand (their records stay pre-MAC, ``macs.py``) and each chain already cut
-        by retention gets a signed purge statement for where it now starts. Trusting the
-        database once, at the upgrade, is the best an index without MACs allows (docs/audit.md).
-        Returns the signing key's id.
+    def seal_upgraded(self, session: Session) -> bool:
+        """Seal an index whose MAC columns were just added (by its migration); True if sealed.
+
+        Its chain heads are MACed as they stand (their records stay pre-MAC, ``macs.py``) and
+        each chain already cut by retention gets a signed purge statement for where it now
+        starts. Trusting the database once, at the upgrade, is the best an index without MACs
+        allows (docs/audit.md).
+
+        With anchors, this node ran with MACs before: columns missing now were dropped, and
+        sealing would launder whatever was done meanwhile. Then nothing is sealed, the heads stay
+        without MACs, and every check reports them.
         """
-        upgraded = add_missing_columns(session.connection())
         signer = self._keys.signer(session)
-        if upgraded and not self._has_anchors():
-            self._seal_legacy(session, signer)
-        # With anchors, this cache ran with MACs before: columns missing now were dropped, and
-        # sealing would launder whatever was done meanwhile. The heads stay without MACs, and
-        # every check reports them.
-        return signer.key_id
+        if self._has_anchors():
+            return False
+        self._seal_legacy(session, signer)
+        return True
 
     def _has_anchors(self) -> bool:
         """Whether this node has anchored anything (only a version with MACs does)."""

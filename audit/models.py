@@ -17,13 +17,14 @@ same database, so an audit record commits in the same transaction as the action 
   (first kept seq and the hash it links to), which exports carry and verifiers require.
 
 Records and heads carry MACs under a key derived from the master key (``macs.py``). An index
-created before they existed lacks those columns: :func:`add_missing_columns` adds them when the
-cache opens (``AuditLog.prepare``), and the rows already there count as pre-MAC.
+created before they existed lacks those columns: the cache's schema migrations add them
+(``tenantkv db upgrade``, which calls ``AuditLog.seal_upgraded``), and the rows already there
+count as pre-MAC.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Connection, Index, Integer, LargeBinary, String, Text, inspect
+from sqlalchemy import BigInteger, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .events import MAX_ACTION, MAX_ACTOR, MAX_REQUEST_ID, MAX_ROLE, MAX_TARGET, MAX_TENANT
@@ -112,27 +113,3 @@ class AuditPurgeRow(AuditBase):
     time_us: Mapped[int] = mapped_column(BigInteger)
     key_id: Mapped[str] = mapped_column(String(64))
     signature: Mapped[bytes] = mapped_column(LargeBinary(64))
-
-
-# Columns added after the first release: (table, column, DDL type).
-_ADDED_COLUMNS = (
-    ("tkv_audit_records", "mac", "VARCHAR(64)"),
-    ("tkv_audit_heads", "mac", "VARCHAR(64)"),
-    ("tkv_audit_heads", "mac_from_seq", "BIGINT"),
-)
-
-
-def add_missing_columns(connection: Connection) -> bool:
-    """Add the MAC columns to audit tables created by an older tenantkv; True if any was added.
-
-    ``create_all`` creates missing tables but never alters existing ones, so without this an old
-    index would fail every append with an obscure "no such column".
-    """
-    inspector = inspect(connection)
-    added = False
-    for table, column, ddl_type in _ADDED_COLUMNS:
-        present = {c["name"] for c in inspector.get_columns(table)}
-        if column not in present:
-            connection.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl_type}")
-            added = True
-    return added

@@ -1,5 +1,5 @@
 """The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
-``audit``, ``serve`` and ``token``."""
+``audit``, ``db``, ``serve`` and ``token``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from . import (
 )
 from . import open as open_cache
 from .cli_audit import register as register_audit_commands
+from .cli_db import register as register_db_commands
 from .config import config_for_root, default_root
 from .server.cli import register as register_server_commands
 from .services.gc import text_progress
@@ -217,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(handler=_cmd_gc)
 
     register_audit_commands(commands)
+    register_db_commands(commands)
     register_server_commands(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")

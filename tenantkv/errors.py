@@ -12,6 +12,8 @@
 * :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
   serving path degrades to a miss; maintenance calls raise it).
 * :class:`MasterKeyError` -- the master key is missing, unreadable, or not this index's.
+* :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
+  ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
 
 Every one is a :class:`TenantKVError`. The leaf packages (``tenantkv.crypto``, ``.storage``,
 ``.audit``) keep their own error types, since they import nothing of tenantkv's; the services
@@ -71,6 +73,11 @@ class LoadRevokedError(LoadError):
 
 class SegmentIntegrityError(LoadError):
     """A stored segment failed to open: the extent was evicted and a security event recorded."""
+
+
+class SchemaVersionError(TenantKVError):
+    """The index's schema revision is not the one this tenantkv uses; the message names the
+    command that upgrades it (or says it is newer). Opening changed nothing."""
 
 
 class MasterKeyError(TenantKVError, _CryptoMasterKeyError):

@@ -30,6 +30,7 @@ from tenantkv.audit import (
     verify_export,
 )
 from tenantkv.crypto import KeyEncryptionKey
+from tenantkv.index import migrate
 from tenantkv.index.database import Database
 from tests.indexes import Index
 
@@ -335,11 +336,20 @@ def test_an_edited_or_truncated_anchor_file_is_reported(
 # ---- an index written before MACs --------------------------------------------------------------
 
 
-def test_an_index_from_before_macs_is_upgraded_when_the_cache_prepares_it(
+def upgrade_index(db: Database, log: AuditLog) -> None:
+    """What ``tenantkv db upgrade`` runs: the index's migrations, sealing with ``log``. The
+    cache's other tables are created first, as every real index has them; the index carries no
+    revision (it predates migrations), so every revision runs."""
+    for metadata in migrate.all_metadata():
+        metadata.create_all(db.engine)
+    migrate.upgrade(db, log)
+
+
+def test_an_index_from_before_macs_is_sealed_by_its_upgrade(
     db: Database, log: AuditLog, kek: KeyEncryptionKey, clock: Clock
 ) -> None:
     """Old tables lack the MAC columns, old records were hashed with U+2028 raw, and an old
-    retention purge left no statement. Preparing adds the columns, MACs the heads as they are,
+    retention purge left no statement. The upgrade adds the columns, MACs the heads as they are,
     signs a purge statement for where the chain starts, and the export verifies."""
     append(db, log, 3, note="line\u2028break")
     for table, column in (
@@ -351,20 +361,17 @@ def test_an_index_from_before_macs_is_upgraded_when_the_cache_prepares_it(
     legacy_head = rehash(db, 1, 3)  # the old encoding: U+2028 written raw, hashed raw
     sql(db, "UPDATE tkv_audit_heads SET last_hash = :h WHERE chain = :c", h=legacy_head, c=ACME)
     sql(db, "DELETE FROM tkv_audit_records WHERE chain = :c AND seq = 1", c=ACME)  # old purge
-    upgraded = AuditLog(kek, clock=clock)  # a cache of the new version opens it
-    with db.write() as session:
-        upgraded.prepare(session)
+    upgraded = AuditLog(kek, clock=clock)  # the new version upgrades it
+    upgrade_index(db, upgraded)
     result = report(db, upgraded)
     assert result.ok, result.problems
     (acme,) = result.chains
     assert (acme.first_seq, acme.purged, acme.records) == (2, True, 2)
     append(db, upgraded, 1, start=T0 + 10)  # the chain continues, now with MACs
     assert report(db, upgraded).ok
-    with db.write() as session:
-        upgraded.prepare(session)  # preparing again changes nothing
+    migrate.upgrade(db, upgraded)  # upgrading again changes nothing
     sql(db, "UPDATE tkv_audit_heads SET mac = NULL")  # and cannot be used to launder a head
-    with db.write() as session:
-        upgraded.prepare(session)
+    migrate.upgrade(db, upgraded)
     with pytest.raises(AuditChainError, match="no MAC"):
         list(upgraded.export(db.read, tenant="acme"))
 
@@ -372,19 +379,19 @@ def test_an_index_from_before_macs_is_upgraded_when_the_cache_prepares_it(
 def test_dropping_the_mac_columns_does_not_get_the_heads_resealed(
     db: Database, anchored: AuditLog
 ) -> None:
-    """The upgrade trusts the database only on a node that never anchored: a cache that did
-    ran with MACs, so columns missing now were dropped to launder a change."""
+    """The upgrade trusts the database only on a node that never anchored: a node that did
+    ran with MACs, so columns missing now were dropped (and the revision rewound) to launder a
+    change."""
     append(db, anchored, 3)
     assert report(db, anchored).ok  # positive control (and the export anchors seq 3)
-    with db.write() as session:
-        anchored.prepare(session)  # columns present: nothing to do
+    upgrade_index(db, anchored)  # columns present: nothing to seal
     assert report(db, anchored).ok
     new_head = rehash(db, 2, 3, actor="mallory")
     sql(db, "UPDATE tkv_audit_heads SET last_hash = :h WHERE chain = :c", h=new_head, c=ACME)
     for table in ("tkv_audit_records", "tkv_audit_heads"):
         sql(db, f"ALTER TABLE {table} DROP COLUMN mac")
     sql(db, "ALTER TABLE tkv_audit_heads DROP COLUMN mac_from_seq")
-    with db.write() as session:
-        anchored.prepare(session)  # adds the columns back, but seals nothing
+    sql(db, "DELETE FROM alembic_version")  # as if it predated migrations
+    migrate.upgrade(db, anchored)  # adds the columns back, but seals nothing
     with pytest.raises(AuditChainError, match="no MAC"):
         list(anchored.export(db.read, tenant="acme"))

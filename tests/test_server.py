@@ -23,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import inspect, text
 
 import tenantkv
-from tenantkv import TenantKV
+from tenantkv import SchemaVersionError, TenantKV
 from tenantkv.audit import chain_for, verify_export
+from tenantkv.cli import main
 from tenantkv.health import INCOMPLETE_SCRUBS, SCRUB_PENDING
 from tenantkv.index import tenants as tenant_rows
 from tenantkv.server.app import create_app
@@ -357,7 +358,9 @@ def _old_token_row(token: str, role: str, tenant: str | None, at: float, by: str
 
 
 @pytest.mark.usefixtures("index")
-def test_an_older_token_table_is_brought_up_to_date_when_the_cache_opens(tmp_path: Path) -> None:
+def test_an_older_token_table_is_brought_up_to_date_by_db_upgrade(tmp_path: Path) -> None:
+    """The token table of an index from before the ``identity_audit_macs`` revision: opening
+    refuses it; ``tenantkv db upgrade`` adds the columns and backfills them."""
     root = tmp_path / "cache"
     kv = tenantkv.open(root, durable=False)
     try:
@@ -382,8 +385,12 @@ def test_an_older_token_table_is_brought_up_to_date_when_the_cache_opens(tmp_pat
                 ),
                 rows,
             )
+            connection.execute(text("UPDATE alembic_version SET version_num = 'fleet_tables'"))
     finally:
         kv.close()
+    with pytest.raises(SchemaVersionError, match="tenantkv db upgrade"):
+        tenantkv.open(root, durable=False)
+    assert main(["db", "upgrade", str(root)]) == 0
     kv = tenantkv.open(root, durable=False)
     try:
         assert verify_token(kv, later).tenant == "acme"  # positive control

@@ -13,11 +13,12 @@ token up its chain of minters is unrevoked and unexpired and, for a tenant-admin
 tenant id still exists (:func:`chain_of`), so revoking a token revokes everything minted under
 it, and deleting a tenant disables its tokens even where a row was missed.
 
-**Older indexes.** Tables made before ``tenant_id`` and ``minted_by`` existed get them at open
-(:func:`ensure_table`). ``minted_by`` is recovered from ``created_by`` (``token:<id>``);
-``tenant_id`` is filled in only where the tenant of that name was created before the token (so
-the token was made for it, not for a deleted predecessor); the other tenant-admin tokens stay
-unbound and are refused: an operator makes new ones.
+**Older indexes.** Tables made before ``tenant_id`` and ``minted_by`` existed get them from the
+schema migration ``identity_audit_macs`` (``tenantkv db upgrade``), which recovers ``minted_by``
+from ``created_by`` (``token:<id>``) and fills ``tenant_id`` in only where the tenant of that
+name was created before the token (so the token was made for it, not for a deleted
+predecessor); the other tenant-admin tokens stay unbound and are refused: an operator makes new
+ones.
 """
 
 from __future__ import annotations
@@ -26,20 +27,16 @@ from dataclasses import dataclass
 from typing import Final
 
 from sqlalchemy import (
-    Connection,
     Float,
     Index,
     LargeBinary,
     String,
-    inspect,
     literal,
     select,
-    text,
     update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from .database import Database
 from .schema import Tenant
 
 #: Longest chain of minters followed; a longer one (never made by the admin API in practice) is
@@ -69,46 +66,6 @@ class ApiToken(ServerBase):
     revoked_at: Mapped[float | None] = mapped_column(Float)
     tenant_id: Mapped[bytes | None] = mapped_column(LargeBinary(16))  # the tenant's immutable id
     minted_by: Mapped[str | None] = mapped_column(String(32))  # the minting token's id
-
-
-_ADDED_COLUMNS: Final = ("tenant_id", "minted_by")
-
-
-def ensure_table(index: Database) -> None:
-    """Create the token table, or bring one made by an older tenantkv up to date (idempotent;
-    one process at a time, like every table creation)."""
-    index.create_tables(ServerBase.metadata)
-    with index.write_connection() as connection:
-        index.take_turns(connection, "ddl")
-        present = {c["name"] for c in inspect(connection).get_columns(ApiToken.__tablename__)}
-        missing = [name for name in _ADDED_COLUMNS if name not in present]
-        if missing:
-            _add_columns(connection, missing)
-
-
-def _add_columns(connection: Connection, missing: list[str]) -> None:
-    table = ServerBase.metadata.tables[ApiToken.__tablename__]
-    for name in missing:
-        column_type = table.c[name].type.compile(dialect=connection.dialect)
-        connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {name} {column_type}"))
-    for each in table.indexes:
-        each.create(connection, checkfirst=True)
-    if "minted_by" in missing:
-        connection.execute(  # the admin API recorded its minter as "token:<id>"
-            text(
-                "UPDATE tkv_api_tokens SET minted_by = substr(created_by, 7) "
-                "WHERE created_by LIKE 'token:%'"
-            )
-        )
-    if "tenant_id" in missing:
-        made_for = (
-            select(Tenant.id)
-            .where(Tenant.name == ApiToken.tenant, Tenant.created_at <= ApiToken.created_at)
-            .scalar_subquery()
-        )
-        connection.execute(
-            update(ApiToken).where(ApiToken.role == _TENANT_ADMIN).values(tenant_id=made_for)
-        )
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from ..audit import AuditBase
 from ..private_files import private_sqlite_files
-from .schema import Base, DataKey, SchemaInfo
+from .schema import DataKey, SchemaInfo
 from .schema import Namespace as NamespaceRow
 
-SCHEMA_VERSION = "1"
 _BUSY_TIMEOUT_MS = 30000
 _SCRUB_RETRY_S = 0.1
 _IMMEDIATE = "tenantkv_immediate"
@@ -176,18 +174,6 @@ class Database:
             finally:
                 connection.exec_driver_sql(_ADVISORY.format("unlock", "open"))
                 connection.commit()
-
-    def create_schema(self) -> None:
-        self.create_tables(Base.metadata, AuditBase.metadata)
-        with self.write() as session:
-            row = session.get(SchemaInfo, "schema_version")
-            if row is None:
-                session.add(SchemaInfo(name="schema_version", value=SCHEMA_VERSION))
-            elif row.value != SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"index schema version {row.value} is not supported "
-                    f"(this tenantkv writes version {SCHEMA_VERSION})"
-                )
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Session]:

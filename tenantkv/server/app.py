@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from ..api import TenantKV
 from . import errors
-from .auth import ensure_first_operator_token, ensure_schema
+from .auth import ensure_first_operator_token
 from .body_limit import BodyLimit
 from .gate import AuthGate
 from .metrics import Metrics, RequestMiddleware
@@ -25,11 +25,10 @@ from .settings import Settings
 
 
 def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
-    """The app serving ``kv``; creates the token table if needed. The caller owns ``kv``.
+    """The app serving ``kv`` (opening it made the token table). The caller owns ``kv``.
 
     Requests pass, outermost first: the request id and metrics, the :class:`AuthGate` (401
     before any body is read), the :class:`BodyLimit` (413), then the routes."""
-    ensure_schema(kv)
     config = settings or Settings()
     refusals = RefusalLog(
         kv,

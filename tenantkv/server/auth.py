@@ -92,12 +92,6 @@ class AuthError(Exception):
         self.token_id = token_id
 
 
-def ensure_schema(kv: TenantKV) -> None:
-    """Create (or bring up to date) the admin API's tables next to the cache's (idempotent;
-    opening a cache does it already)."""
-    api_tokens.ensure_table(kv.context.index)
-
-
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
@@ -214,7 +208,6 @@ def create_token(
     kv: TenantKV, role: Role, tenant: str | None = None, ttl_seconds: float | None = None
 ) -> str:
     """Make a token (returned once; only its hash is stored), as the cache's own process."""
-    ensure_schema(kv)
     with kv.context.index.write() as session:
         return insert_token(
             kv,
@@ -229,7 +222,6 @@ def create_token(
 
 def ensure_first_operator_token(kv: TenantKV) -> str | None:
     """A new operator token if no usable (unrevoked, unexpired) one exists; else None."""
-    ensure_schema(kv)
     with kv.context.index.write() as session:
         now = kv.context.clock()
         for token_id in api_tokens.live_operator_ids(session, now):
@@ -289,7 +281,6 @@ def mark_revoked(
 
 def revoke_token(kv: TenantKV, token_id: str) -> bool:
     """Revoke a token by id, as the cache's own process; False if there is no such token."""
-    ensure_schema(kv)
     with kv.context.index.write() as session:
         return mark_revoked(
             kv,

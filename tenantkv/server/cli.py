@@ -44,10 +44,8 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
     from .. import open as open_cache
-    from .auth import ensure_schema
 
     with open_cache(config_for_root(args.root)) as kv:
-        ensure_schema(kv)
         for info in list_tokens(kv, args.tenant):
             state = "revoked" if info.revoked_at is not None else "active"
             print(

@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 from ..context import CacheContext
-from ..crypto import KeyWrapper, SealOpenError, new_key
-from ..errors import MasterKeyError
-from ..index import api_tokens, settings
+from ..crypto import KeyWrapper, new_key
+from ..index import migrate, settings
 from .capacity import init_capacity
-
-_KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
+from .schema_upgrade import KEY_CHECK_CONTEXT, upgrade_command, verify_master_key
 
 
 def prepare_index(ctx: CacheContext, wrapper: KeyWrapper) -> None:
-    """Create the schema, check the master key, prepare the audit log (signing key, MAC
-    columns of an older index) and the initial capacity, and read the key epoch.
+    """Create a fresh index's tables (or refuse one at another schema revision: see
+    ``index/migrate.py``), check the master key, prepare the audit log's signing key and the
+    initial capacity, and read the key epoch.
 
-    The admin API's token table is made (or brought up to date) here too, not only when the
-    server starts: deleting a tenant revokes its tokens in the deletion's own transaction, on
-    every path (Python, CLI, HTTP)."""
+    The admin API's token table is made here too, not only when the server starts: deleting a
+    tenant revokes its tokens in the deletion's own transaction, on every path (Python, CLI,
+    HTTP)."""
     # Nodes starting together on one index check or create its settings one after another.
     with ctx.index.opening():
-        ctx.index.create_schema()
-        api_tokens.ensure_table(ctx.index)
+        migrate.ensure_current(ctx.index, upgrade_command(ctx.config))
         check_master_key(ctx, wrapper)
         with ctx.index.write() as session:
-            ctx.audit.prepare(session)  # also upgrades an older index's audit tables
+            ctx.audit.prepare(session)
         init_capacity(ctx)
     ctx.key_epoch.check()
 
@@ -39,10 +37,7 @@ def check_master_key(ctx: CacheContext, wrapper: KeyWrapper) -> None:
     with ctx.index.write() as session:
         stored = settings.get(session, settings.MASTER_KEY_CHECK)
         if stored is None:
-            blob = wrapper.wrap(new_key(), _KEY_CHECK_CONTEXT)
+            blob = wrapper.wrap(new_key(), KEY_CHECK_CONTEXT)
             settings.put(session, settings.MASTER_KEY_CHECK, blob.hex())
             return
-    try:
-        wrapper.unwrap(bytes.fromhex(stored), _KEY_CHECK_CONTEXT)
-    except SealOpenError:
-        raise MasterKeyError("the master key does not open this cache's index") from None
+    verify_master_key(stored, wrapper)
