@@ -13,6 +13,8 @@
 #             PostgreSQL ($TENANTKV_PKGCHECK_POSTGRES, default postgresql://postgres@127.0.0.1:5432/test)
 #             in a fresh schema that is dropped afterwards. If the server is not reachable that
 #             part is reported as skipped (set TENANTKV_PKGCHECK_REQUIRE_POSTGRES=1 to fail instead)
+#   redis     the wheel with [redis] alone: redis-py imports, and open_block_store("redis://...")
+#             builds a RedisBlockStore (no server needed: connections are made on first use)
 #
 # How the venvs are made, and why this is still a fresh install: `pip install torch==2.13.0` takes
 # about a minute here (unpacking ~900 MB), so doing it once per venv would make this check take
@@ -34,13 +36,14 @@ PYTHON=${PYTHON:-python3}
 TORCH_PIN="torch==2.13.0"
 WORK="$REPO/build/pkgcheck"
 PG_CONNINFO=${TENANTKV_PKGCHECK_POSTGRES:-postgresql://postgres@127.0.0.1:5432/test}
-EXTRAS="server hf postgres"
+EXTRAS="server hf postgres redis"
 # top-level modules each extra brings: when checking one install, the other extras' are allowed
 # to be missing (and only those)
 declare -A EXTRA_MODULES=(
     [server]="fastapi starlette pydantic pydantic_settings uvicorn"
     [hf]="transformers"
     [postgres]="psycopg"
+    [redis]="redis"
 )
 started=$SECONDS
 checked=()
@@ -137,13 +140,13 @@ in_scratch "$venv/bin/python" -c '
 import importlib.util, sys
 present = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is not None]
 assert not present, f"the bare install has extras modules: {present}"
-' ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} ||
+' ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} ${EXTRA_MODULES[redis]} ||
     fail "base venv is not bare"
 in_scratch "$venv/bin/python" "$REPO/scripts/readme_use_example.py" "$SCRATCH/base-cache" ||
     fail "base: the README's Use example"
 # shellcheck disable=SC2086
 in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_imports.py" \
-    ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} ||
+    ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} ${EXTRA_MODULES[redis]} ||
     fail "base: a module does not import"
 logged "$LOGS/cli-init.log" in_scratch "$venv/bin/tenantkv" init "$SCRATCH/cli-root"
 echo "tenantkv init (console script): ok"
@@ -262,6 +265,17 @@ EOF
         else
             checked+=("postgres alone: imports, README Use example on PostgreSQL")
         fi
+        ;;
+    redis)
+        in_scratch "$venv/bin/python" -c '
+from tenantkv.storage.urls import open_block_store
+from tenantkv.storage.redis_store import RedisBlockStore
+store = open_block_store("redis://127.0.0.1:6379/0?prefix=pkgcheck:", durable=False)
+assert isinstance(store, RedisBlockStore)
+store.close()
+print("redis alone: open_block_store(redis://...) builds a RedisBlockStore")
+' || fail "redis: open_block_store"
+        checked+=("redis alone: imports, open_block_store builds a RedisBlockStore")
         ;;
     esac
 done

@@ -49,7 +49,9 @@ def collect(
     with ctx.index.read() as session:  # a running load on any node keeps its extents
         held = ctx.leases.held(session, [row.id for row in expired])
     expired = [row for row in expired if row.id not in held]
-    existing = list(ctx.blocks.list())
+    # A store that cannot list cheaply (Redis: a SCAN of the whole key space) is not swept:
+    # its orphans expire by the TTL every commit sets (StoreCapabilities.expires).
+    existing = list(ctx.blocks.list()) if ctx.blocks.capabilities.cheap_listing else []
     total = len(expired) + len(existing)
     done = 0
     removed_bytes = 0
