@@ -127,8 +127,15 @@ def _header(modified_us: int, size: int) -> bytes:
     return f"{modified_us:0{_FIELD}d}{size:0{_FIELD}d}".encode()
 
 
-def _parse_header(raw: bytes | None) -> tuple[int, int] | None:
-    if raw is None or len(raw) != 2 * _FIELD or not raw.isdigit():
+def _bytes(value: object) -> bytes:
+    """A reply of the client, which is never told to decode responses."""
+    if not isinstance(value, bytes):
+        raise StorageError(f"unexpected reply from Redis: {type(value).__name__}")
+    return value
+
+
+def _parse_header(raw: object) -> tuple[int, int] | None:
+    if not isinstance(raw, bytes) or len(raw) != 2 * _FIELD or not raw.isdigit():
         return None
     return int(raw[:_FIELD]), int(raw[_FIELD:])
 
@@ -277,12 +284,16 @@ class _RedisReader(ExtentReader):
         with _redis_errors("reading extent"):
             if len(spans) == 1:
                 number, inner, _, length = spans[0]
-                parts = [store.client.getrange(f"{self._key}:{number}", inner, inner + length - 1)]
+                parts = [
+                    _bytes(
+                        store.client.getrange(f"{self._key}:{number}", inner, inner + length - 1)
+                    )
+                ]
             else:
                 pipe = store.client.pipeline(transaction=False)
                 for number, inner, _, length in spans:
                     pipe.getrange(f"{self._key}:{number}", inner, inner + length - 1)
-                parts = pipe.execute()
+                parts = [_bytes(part) for part in pipe.execute()]
         for (_, _, _, length), part in zip(spans, parts, strict=True):
             if len(part) != length:  # a chunk was evicted since the extent was opened
                 raise ShortReadError(f"extent {self._key} lost a chunk (evicted?)")
@@ -394,16 +405,13 @@ class RedisBlockStore(BlockStore):
             for key in keys:
                 self._retain_script(keys=[key], args=[_milliseconds(seconds), self.chunk_bytes])
 
-    def temporary(self) -> list[str]:
+    def temporary(self) -> tuple[str, ...]:
         """Ids of extents being written (or left by crashed writers until their keys expire)."""
         with _redis_errors("listing temporary keys"):
             names = self.client.keys(_glob_escape(self.prefix + _TEMP) + "*")
         decoded = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
-        return [
-            n[len(self.prefix) + len(_TEMP) :]
-            for n in decoded
-            if ":" not in n[len(self.prefix) + len(_TEMP) :]
-        ]
+        ids = (n[len(self.prefix) + len(_TEMP) :] for n in decoded)
+        return tuple(i for i in ids if ":" not in i)
 
     def close(self) -> None:
         self.client.close()
