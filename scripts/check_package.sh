@@ -15,6 +15,8 @@
 #             part is reported as skipped (set TENANTKV_PKGCHECK_REQUIRE_POSTGRES=1 to fail instead)
 #   metrics   the wheel with [metrics] alone: a lookup moves tenantkv_miss_tokens_total in the
 #             cache's own registry (in the bare install metrics are no-ops: metrics_registry None)
+#   redis     the wheel with [redis] alone: redis-py imports, and open_block_store("redis://...")
+#             builds a RedisBlockStore (no server needed: connections are made on first use)
 #
 # How the venvs are made, and why this is still a fresh install: `pip install torch==2.13.0` takes
 # about a minute here (unpacking ~900 MB), so doing it once per venv would make this check take
@@ -36,7 +38,7 @@ PYTHON=${PYTHON:-python3}
 TORCH_PIN="torch==2.13.0"
 WORK="$REPO/build/pkgcheck"
 PG_CONNINFO=${TENANTKV_PKGCHECK_POSTGRES:-postgresql://postgres@127.0.0.1:5432/test}
-EXTRAS="server hf postgres metrics"
+EXTRAS="server hf postgres metrics redis"
 # top-level modules each extra brings: when checking one install, the other extras' are allowed
 # to be missing (and only those)
 declare -A EXTRA_MODULES=(
@@ -44,6 +46,7 @@ declare -A EXTRA_MODULES=(
     [hf]="transformers"
     [postgres]="psycopg"
     [metrics]="prometheus_client"
+    [redis]="redis"
 )
 started=$SECONDS
 checked=()
@@ -141,13 +144,13 @@ import importlib.util, sys
 present = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is not None]
 assert not present, f"the bare install has extras modules: {present}"
 ' ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} \
-    ${EXTRA_MODULES[metrics]} || fail "base venv is not bare"
+    ${EXTRA_MODULES[metrics]} ${EXTRA_MODULES[redis]} || fail "base venv is not bare"
 in_scratch "$venv/bin/python" "$REPO/scripts/readme_use_example.py" "$SCRATCH/base-cache" ||
     fail "base: the README's Use example"
 # shellcheck disable=SC2086
 in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_imports.py" \
     ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} \
-    ${EXTRA_MODULES[metrics]} || fail "base: a module does not import"
+    ${EXTRA_MODULES[metrics]} ${EXTRA_MODULES[redis]} || fail "base: a module does not import"
 in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/base-metrics" absent ||
     fail "base: a cache without prometheus_client"
 logged "$LOGS/cli-init.log" in_scratch "$venv/bin/tenantkv" init "$SCRATCH/cli-root"
@@ -272,6 +275,17 @@ EOF
         in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/metrics" present ||
             fail "metrics: the cache's registry"
         checked+=("metrics alone: a lookup moves tenantkv_miss_tokens_total")
+        ;;
+    redis)
+        in_scratch "$venv/bin/python" -c '
+from tenantkv.storage.urls import open_block_store
+from tenantkv.storage.redis_store import RedisBlockStore
+store = open_block_store("redis://127.0.0.1:6379/0?prefix=pkgcheck:", durable=False)
+assert isinstance(store, RedisBlockStore)
+store.close()
+print("redis alone: open_block_store(redis://...) builds a RedisBlockStore")
+' || fail "redis: open_block_store"
+        checked+=("redis alone: imports, open_block_store builds a RedisBlockStore")
         ;;
     esac
 done

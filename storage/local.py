@@ -61,9 +61,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _LocalWriter(ExtentWriter):
-    def __init__(self, store: LocalBlockStore) -> None:
+    def __init__(self, store: LocalBlockStore, extent_id: str) -> None:
         self._store = store
-        self._id = secrets.token_hex(16)
+        self._id = extent_id
         self._temp = store.temp_dir / f"{self._id}.part"
         self._fd: int | None = os.open(
             self._temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
@@ -96,7 +96,7 @@ class _LocalWriter(ExtentWriter):
             self.abort()
             raise StorageError(f"writing extent failed: {err}") from err
 
-    def commit(self) -> str:
+    def commit(self, *, retain_for: float | None = None) -> str:
         if self._fd is None or self._done:
             raise StorageError("extent writer is closed")
         final = self._store.path_of(self._id)
@@ -202,9 +202,16 @@ class LocalBlockStore(BlockStore):
 
     def create(self) -> ExtentWriter:
         try:
-            return _LocalWriter(self)
+            return _LocalWriter(self, secrets.token_hex(16))
         except OSError as err:
             raise StorageError(f"creating extent failed: {err}") from err
+
+    def create_as(self, extent_id: str) -> ExtentWriter:
+        self.path_of(extent_id)  # refuse a malformed id
+        try:
+            return _LocalWriter(self, extent_id)
+        except OSError as err:  # FileExistsError: another writer has this id in flight
+            raise StorageError(f"creating extent {extent_id} failed: {err}") from err
 
     def open(self, extent_id: str) -> ExtentReader:
         return _LocalReader(self.path_of(extent_id))

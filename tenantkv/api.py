@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import crypto
 from .audit import Attribution
-from .config import CacheConfig, block_store_path
+from .config import CacheConfig, open_blocks
 from .context import CacheContext, build_context
 from .coordination import CoordinationThread
 from .crypto import KeyEncryptionKey, KeyWrapper, default_master_key_provider
@@ -41,7 +41,7 @@ from .services.purge import PurgeReport
 from .services.setup import prepare_index
 from .services.tenants import TenantInfo
 from .staging import RingStats
-from .storage import BlockStore, LocalBlockStore, StorageError
+from .storage import BlockStore, StorageError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -389,9 +389,7 @@ def open(
     config = config.with_overrides(**settings)
     private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
     wrapper = _key_wrapper(config)
-    store = block_store or LocalBlockStore(
-        block_store_path(config.blocks_url), durable=config.durable
-    )
+    store = block_store or open_blocks(config)
     context = build_context(
         config, index=Database(config.index_url), blocks=store, key_wrapper=wrapper, clock=clock
     )

@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from .crypto import DEFAULT_SUITE, CipherSuite, KeyWrapper, MasterKeyProvider
 from .errors import InvalidRequestError
+from .storage import BlockStore, BlockStoreUrlError, check_block_store_url, open_block_store
 
 DEFAULT_ROOT = "./tenantkv-data"
 ENV_PREFIX = "TENANTKV_"
@@ -51,7 +51,9 @@ class CacheConfig:
     root: Path = Path(DEFAULT_ROOT)
     #: SQLAlchemy URL of the index: ``sqlite:///...`` or ``postgresql+psycopg://...``.
     database_url: str | None = None
-    #: Where extents live: ``file:///mnt/kv`` (a local directory or a shared POSIX mount).
+    #: Where extents live: ``file:///mnt/kv`` (a local directory or a shared POSIX mount),
+    #: ``redis://host:6379/0?prefix=tkv:`` (Redis or Valkey; the ``redis`` extra), or tiers
+    #: separated by commas, hottest first: ``redis://...,file:///mnt/kv`` (README "Block stores").
     block_store_url: str | None = None
     #: The master key: a provider (key file, environment, KMS hook) or a key wrapper.
     master_key: MasterKeyProvider | KeyWrapper | None = None
@@ -124,7 +126,10 @@ class CacheConfig:
         if self.gc_interval is not None:
             _check_positive_number("gc_interval", self.gc_interval)
         if self.block_store_url is not None:
-            block_store_path(self.block_store_url)  # refuse an unsupported URL early
+            try:  # refuse an unsupported URL early, before anything is opened
+                check_block_store_url(self.block_store_url)
+            except BlockStoreUrlError as err:
+                raise InvalidRequestError(f"block_store_url: {err}") from None
 
     @property
     def index_url(self) -> str:
@@ -181,15 +186,13 @@ class CacheConfig:
         return cls(**values)
 
 
-def block_store_path(url: str) -> Path:
-    """The directory of a ``file://`` block-store URL; other schemes are refused for now."""
-    parsed = urlparse(url)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
-        raise InvalidRequestError(
-            f"unsupported block_store_url {url!r}: use file:///absolute/path "
-            "(a local directory or a shared POSIX mount)"
-        )
-    return Path(unquote(parsed.path))
+def open_blocks(config: CacheConfig) -> BlockStore:
+    """The block store ``config.blocks_url`` names; a URL no backend can serve (an unknown
+    scheme, a missing optional package) is an InvalidRequestError."""
+    try:
+        return open_block_store(config.blocks_url, durable=config.durable)
+    except BlockStoreUrlError as err:
+        raise InvalidRequestError(f"block_store_url: {err}") from None
 
 
 _INTS = {

@@ -27,7 +27,7 @@ from .metering import Meter
 from .metrics import DataPlaneMetrics, new_metrics
 from .runtime import Runtime
 from .serving import ServingPolicy
-from .storage import BlockStore
+from .storage import BlockStore, TieredBlockStore
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ def build_context(
         health=health.counts,
         security_events=incidents.log.counts,
     )
+    if isinstance(blocks, TieredBlockStore):
+        tiered = blocks
+        metrics.watch_tiers(
+            lambda: {tier: counts.get("hits", 0) for tier, counts in tiered.stats().items()}
+        )
     return CacheContext(
         config=config,
         index=index,

@@ -1,4 +1,5 @@
-"""Tests of ``tenantkv.storage.LocalBlockStore``: a stateful model check plus targeted cases."""
+"""Tests of every block store (local directory, Redis, Redis in front of a directory): a stateful
+model check plus targeted cases. Tests of the local layout (paths, modes) use ``local_store``."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tenantkv.storage import (
     ShortReadError,
     StorageError,
 )
+from tests.block_stores import BACKENDS, drop_prefix, make_store, new_prefix, temporaries
 
 ID_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -74,14 +76,17 @@ CHUNKS = st.lists(st.binary(max_size=64), max_size=6).map(_salted_chunks)
 
 
 class BlockStoreMachine(RuleBasedStateMachine):
-    """LocalBlockStore against a dict of committed extents and a dict of writers in progress."""
+    """A block store against a dict of committed extents and a dict of writers in progress;
+    subclasses below run it on each backend."""
 
     extents = Bundle("extents")
+    backend = "local"
 
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="tenantkv-bs-"))
-        self.store = LocalBlockStore(self.root, durable=False)
+        self.prefix = new_prefix()
+        self.store = make_store(self.backend, self.root, self.prefix)
         self.model: dict[str, bytes] = {}
         self.ever_committed: set[str] = set()
         self.pending: dict[int, tuple[ExtentWriter, bytearray]] = {}
@@ -92,6 +97,8 @@ class BlockStoreMachine(RuleBasedStateMachine):
             writer.abort()
         self.store.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.backend != "local":
+            drop_prefix(self.prefix)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -246,9 +253,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def temporaries_match_pending_writers(self) -> None:
-        parts = list((self.root / "tmp").iterdir())
-        assert len(parts) == len(self.pending), parts
-        assert all(p.name.endswith(".part") for p in parts)
+        assert temporaries(self.store) == len(self.pending)
 
     @invariant()
     def sizes_match_model(self) -> None:
@@ -257,13 +262,28 @@ class BlockStoreMachine(RuleBasedStateMachine):
                 assert reader.size == len(data)
 
 
-BlockStoreMachine.TestCase.settings = settings(
+class RedisBlockStoreMachine(BlockStoreMachine):
+    backend = "redis"
+
+
+class TieredBlockStoreMachine(BlockStoreMachine):
+    backend = "tiered"
+
+
+_MACHINE_SETTINGS = settings(
     max_examples=40,
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# Network round trips make the Redis-backed runs slower per step: fewer examples, same steps.
+_NETWORK_SETTINGS = settings(_MACHINE_SETTINGS, max_examples=20)
+BlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
+RedisBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
+TieredBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
 TestBlockStoreMachine = BlockStoreMachine.TestCase
+TestRedisBlockStoreMachine = RedisBlockStoreMachine.TestCase
+TestTieredBlockStoreMachine = TieredBlockStoreMachine.TestCase
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,8 +302,21 @@ def _fixed_umask() -> Iterator[None]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> LocalBlockStore:
+def local_store(tmp_path: Path) -> LocalBlockStore:
     return LocalBlockStore(tmp_path / "blocks", durable=False)
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
+    """Each backend in turn; Redis ones under a key prefix of their own, dropped afterwards."""
+    prefix = new_prefix()
+    backend = make_store(request.param, tmp_path / "blocks", prefix)
+    try:
+        yield backend
+    finally:
+        backend.close()
+        if request.param != "local":
+            drop_prefix(prefix)
 
 
 def _put(store: BlockStore, data: bytes) -> str:
@@ -307,7 +340,7 @@ def _extent_files(store: LocalBlockStore) -> list[Path]:
     return sorted(p for p in store.extent_dir.rglob("*") if p.is_file())
 
 
-def test_store_is_a_block_store(store: LocalBlockStore) -> None:
+def test_store_is_a_block_store(store: BlockStore) -> None:
     assert isinstance(store, BlockStore)
     assert isinstance(store.create(), ExtentWriter)
     extent_id = _put(store, b"x")
@@ -315,45 +348,45 @@ def test_store_is_a_block_store(store: LocalBlockStore) -> None:
         assert isinstance(reader, ExtentReader)
 
 
-def test_extent_is_invisible_until_commit(store: LocalBlockStore) -> None:
-    writer = store.create()
+def test_extent_is_invisible_until_commit(local_store: LocalBlockStore) -> None:
+    writer = local_store.create()
     writer.write(b"hello ")
     writer.write(b"world")
-    assert list(store.list()) == []
-    assert _extent_files(store) == []
-    parts = _parts(store)
+    assert list(local_store.list()) == []
+    assert _extent_files(local_store) == []
+    parts = _parts(local_store)
     assert len(parts) == 1
     pending_id = parts[0].name.removesuffix(".part")
     assert ID_RE.fullmatch(pending_id)
     with pytest.raises(ExtentNotFoundError):
-        store.open(pending_id)
-    assert store.delete(pending_id) is False
-    assert _parts(store) == parts  # delete of the pending id did not touch the temp file
+        local_store.open(pending_id)
+    assert local_store.delete(pending_id) is False
+    assert _parts(local_store) == parts  # delete of the pending id did not touch the temp file
 
     extent_id = writer.commit()
     assert extent_id == pending_id
-    assert list(store.list()) == [extent_id]
-    assert _parts(store) == []
-    assert _extent_files(store) == [store.path_of(extent_id)]
-    assert _read_all(store, extent_id) == b"hello world"
+    assert list(local_store.list()) == [extent_id]
+    assert _parts(local_store) == []
+    assert _extent_files(local_store) == [local_store.path_of(extent_id)]
+    assert _read_all(local_store, extent_id) == b"hello world"
 
 
-def test_extent_path_layout(store: LocalBlockStore) -> None:
-    extent_id = _put(store, b"abc")
-    path = store.path_of(extent_id)
-    assert path == store.root / "extents" / extent_id[:2] / f"{extent_id}.tkx"
+def test_extent_path_layout(local_store: LocalBlockStore) -> None:
+    extent_id = _put(local_store, b"abc")
+    path = local_store.path_of(extent_id)
+    assert path == local_store.root / "extents" / extent_id[:2] / f"{extent_id}.tkx"
     assert path.read_bytes() == b"abc"
 
 
-def test_context_manager_aborts_on_exception(store: LocalBlockStore) -> None:
-    keep = _put(store, b"keep")
-    with pytest.raises(ValueError, match="boom"), store.create() as writer:
+def test_context_manager_aborts_on_exception(local_store: LocalBlockStore) -> None:
+    keep = _put(local_store, b"keep")
+    with pytest.raises(ValueError, match="boom"), local_store.create() as writer:
         writer.write(b"doomed bytes")
-        assert len(_parts(store)) == 1
+        assert len(_parts(local_store)) == 1
         raise ValueError("boom")
-    assert _parts(store) == []
-    assert list(store.list()) == [keep]
-    assert _extent_files(store) == [store.path_of(keep)]
+    assert _parts(local_store) == []
+    assert list(local_store.list()) == [keep]
+    assert _extent_files(local_store) == [local_store.path_of(keep)]
     with pytest.raises(StorageError):
         writer.write(b"more")
     with pytest.raises(StorageError):
@@ -361,7 +394,7 @@ def test_context_manager_aborts_on_exception(store: LocalBlockStore) -> None:
 
 
 def test_context_manager_without_exception_and_without_commit_leaves_writer_open(
-    store: LocalBlockStore,
+    store: BlockStore,
 ) -> None:
     """Leaving the block normally neither commits nor aborts; the caller still can commit."""
     with store.create() as writer:
@@ -371,7 +404,7 @@ def test_context_manager_without_exception_and_without_commit_leaves_writer_open
     assert _read_all(store, extent_id) == b"later"
 
 
-def test_abort_after_commit_keeps_the_extent(store: LocalBlockStore) -> None:
+def test_abort_after_commit_keeps_the_extent(store: BlockStore) -> None:
     writer = store.create()
     writer.write(b"committed")
     extent_id = writer.commit()
@@ -381,7 +414,7 @@ def test_abort_after_commit_keeps_the_extent(store: LocalBlockStore) -> None:
         writer.write(b"x")
 
 
-def test_empty_extent(store: LocalBlockStore) -> None:
+def test_empty_extent(store: BlockStore) -> None:
     extent_id = _put(store, b"")
     with store.open(extent_id) as reader:
         assert reader.size == 0
@@ -391,7 +424,7 @@ def test_empty_extent(store: LocalBlockStore) -> None:
             reader.readinto(0, [bytearray(1)])
 
 
-def test_write_accepts_any_buffer(store: LocalBlockStore) -> None:
+def test_write_accepts_any_buffer(store: BlockStore) -> None:
     words = array.array("I", [1, 2, 3, 0xDEADBEEF])
     with store.create() as writer:
         writer.write(memoryview(words))
@@ -401,7 +434,7 @@ def test_write_accepts_any_buffer(store: LocalBlockStore) -> None:
     assert _read_all(store, extent_id) == words.tobytes() + b"tail" + b"234"
 
 
-def test_large_extent_in_many_chunks(store: LocalBlockStore) -> None:
+def test_large_extent_in_many_chunks(store: BlockStore) -> None:
     data = os.urandom(1 << 20)
     with store.create() as writer:
         for start in range(0, len(data), 4096 + 7):
@@ -416,7 +449,7 @@ def test_large_extent_in_many_chunks(store: LocalBlockStore) -> None:
 
 @pytest.mark.parametrize(("offset", "length"), [(0, 11), (5, 6), (10, 1), (11, 1), (100, 1)])
 def test_readinto_past_the_end_raises_short_read(
-    store: LocalBlockStore, offset: int, length: int
+    store: BlockStore, offset: int, length: int
 ) -> None:
     extent_id = _put(store, b"0123456789")
     with store.open(extent_id) as reader:
@@ -429,7 +462,7 @@ def test_readinto_past_the_end_raises_short_read(
         assert bytes(head) == b"0123456789"[offset : offset + len(head)]
 
 
-def test_readinto_up_to_the_end_succeeds(store: LocalBlockStore) -> None:
+def test_readinto_up_to_the_end_succeeds(store: BlockStore) -> None:
     extent_id = _put(store, b"0123456789")
     with store.open(extent_id) as reader:
         tail = bytearray(3)
@@ -438,7 +471,7 @@ def test_readinto_up_to_the_end_succeeds(store: LocalBlockStore) -> None:
         reader.readinto(10, [bytearray(0)])
 
 
-def test_short_read_across_scatter_buffers(store: LocalBlockStore) -> None:
+def test_short_read_across_scatter_buffers(store: BlockStore) -> None:
     extent_id = _put(store, b"0123456789")
     with store.open(extent_id) as reader:
         with pytest.raises(ShortReadError):
@@ -446,7 +479,7 @@ def test_short_read_across_scatter_buffers(store: LocalBlockStore) -> None:
         reader.readinto(2, [bytearray(4), bytearray(4)])  # exactly to the end: fine
 
 
-def test_readinto_scatters_in_order(store: LocalBlockStore) -> None:
+def test_readinto_scatters_in_order(store: BlockStore) -> None:
     data = bytes(range(256)) * 4
     extent_id = _put(store, data)
     sizes = [1, 0, 7, 64, 3, 200]
@@ -459,7 +492,7 @@ def test_readinto_scatters_in_order(store: LocalBlockStore) -> None:
         position += size
 
 
-def test_readinto_into_memoryviews_and_typed_arrays(store: LocalBlockStore) -> None:
+def test_readinto_into_memoryviews_and_typed_arrays(store: BlockStore) -> None:
     data = os.urandom(64)
     extent_id = _put(store, data)
     backing = bytearray(80)
@@ -471,7 +504,7 @@ def test_readinto_into_memoryviews_and_typed_arrays(store: LocalBlockStore) -> N
     assert words.tobytes() == data[48:64]
 
 
-def test_readinto_many_buffers(store: LocalBlockStore) -> None:
+def test_readinto_many_buffers(store: BlockStore) -> None:
     data = os.urandom(3000)
     extent_id = _put(store, data)
     buffers = [bytearray(1) for _ in range(len(data))]
@@ -480,7 +513,7 @@ def test_readinto_many_buffers(store: LocalBlockStore) -> None:
     assert b"".join(buffers) == data
 
 
-def test_reader_close_is_idempotent_and_final(store: LocalBlockStore) -> None:
+def test_reader_close_is_idempotent_and_final(store: BlockStore) -> None:
     extent_id = _put(store, b"abc")
     reader = store.open(extent_id)
     buffer = bytearray(3)
@@ -506,12 +539,12 @@ def test_reader_close_is_idempotent_and_final(store: LocalBlockStore) -> None:
         " " + "0" * 31,
     ],
 )
-def test_open_malformed_id_raises_not_found(store: LocalBlockStore, bad_id: str) -> None:
+def test_open_malformed_id_raises_not_found(store: BlockStore, bad_id: str) -> None:
     with pytest.raises(ExtentNotFoundError):
         store.open(bad_id)
 
 
-def test_open_unknown_id_raises_not_found(store: LocalBlockStore) -> None:
+def test_open_unknown_id_raises_not_found(store: BlockStore) -> None:
     extent_id = _put(store, b"data")
     assert _read_all(store, extent_id) == b"data"  # positive control
     unknown = ("0" if extent_id[0] != "0" else "1") + extent_id[1:]
@@ -530,7 +563,7 @@ def test_not_found_is_a_storage_error() -> None:
     assert issubclass(ShortReadError, StorageError)
 
 
-def test_extent_ids_are_random_hex(store: LocalBlockStore) -> None:
+def test_extent_ids_are_random_hex(store: BlockStore) -> None:
     ids = [_put(store, b"same bytes every time") for _ in range(200)]
     assert all(ID_RE.fullmatch(i) for i in ids)
     assert len(set(ids)) == len(ids)
@@ -540,7 +573,7 @@ def test_extent_ids_are_random_hex(store: LocalBlockStore) -> None:
     assert sorted(store.list()) == sorted(ids)
 
 
-def test_ids_are_not_reused_after_delete(store: LocalBlockStore) -> None:
+def test_ids_are_not_reused_after_delete(store: BlockStore) -> None:
     seen: set[str] = set()
     for _ in range(50):
         extent_id = _put(store, b"x")
@@ -550,47 +583,47 @@ def test_ids_are_not_reused_after_delete(store: LocalBlockStore) -> None:
     assert list(store.list()) == []
 
 
-def test_list_ignores_foreign_files(store: LocalBlockStore) -> None:
-    extent_id = _put(store, b"real")
-    (store.extent_dir / "stray.txt").write_text("x")
-    shard = store.extent_dir / "ab"
+def test_list_ignores_foreign_files(local_store: LocalBlockStore) -> None:
+    extent_id = _put(local_store, b"real")
+    (local_store.extent_dir / "stray.txt").write_text("x")
+    shard = local_store.extent_dir / "ab"
     shard.mkdir(exist_ok=True)
     (shard / "not-an-id.tkx").write_text("x")
     (shard / ("ab" * 16 + ".part")).write_text("x")
     (shard / ("AB" * 16 + ".tkx")).write_text("x")
-    assert list(store.list()) == [extent_id]
+    assert list(local_store.list()) == [extent_id]
 
 
-def test_sweep_temporary_removes_leftover_parts(store: LocalBlockStore) -> None:
-    keep = _put(store, b"committed")
+def test_sweep_temporary_removes_leftover_parts(local_store: LocalBlockStore) -> None:
+    keep = _put(local_store, b"committed")
     # Leftovers of "crashed" writers: a real writer's file and hand-made ones.
-    abandoned = store.create()
+    abandoned = local_store.create()
     abandoned.write(b"half")
     for i in range(3):
-        (store.temp_dir / f"{i:032x}.part").write_bytes(b"partial")
-    other = store.temp_dir / "notes.txt"
+        (local_store.temp_dir / f"{i:032x}.part").write_bytes(b"partial")
+    other = local_store.temp_dir / "notes.txt"
     other.write_text("not a part file")
-    assert len(_parts(store)) == 4
+    assert len(_parts(local_store)) == 4
 
-    assert store.sweep_temporary() == 4
-    assert _parts(store) == []
+    assert local_store.sweep_temporary() == 4
+    assert _parts(local_store) == []
     assert other.exists()  # only .part files are swept
-    assert list(store.list()) == [keep]
-    assert _read_all(store, keep) == b"committed"
-    assert store.sweep_temporary() == 0
+    assert list(local_store.list()) == [keep]
+    assert _read_all(local_store, keep) == b"committed"
+    assert local_store.sweep_temporary() == 0
     # The swept writer can no longer publish anything.
     with pytest.raises(StorageError):
         abandoned.commit()
-    assert list(store.list()) == [keep]
+    assert list(local_store.list()) == [keep]
 
 
-def test_extent_files_are_private(store: LocalBlockStore) -> None:
-    writer = store.create()
+def test_extent_files_are_private(local_store: LocalBlockStore) -> None:
+    writer = local_store.create()
     writer.write(b"secret-ish")
-    (part,) = _parts(store)
+    (part,) = _parts(local_store)
     assert stat.S_IMODE(part.stat().st_mode) == 0o600
     extent_id = writer.commit()
-    assert stat.S_IMODE(store.path_of(extent_id).stat().st_mode) == 0o600
+    assert stat.S_IMODE(local_store.path_of(extent_id).stat().st_mode) == 0o600
 
 
 def test_reopened_store_sees_committed_extents(tmp_path: Path) -> None:
@@ -625,7 +658,7 @@ def test_durable_store_round_trip(tmp_path: Path) -> None:
     assert list(store.list()) == []
 
 
-def test_write_at_from_many_threads_assembles_the_extent(store: LocalBlockStore) -> None:
+def test_write_at_from_many_threads_assembles_the_extent(store: BlockStore) -> None:
     parts = [os.urandom(4096 + i) for i in range(16)]
     offsets = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
     with store.create() as writer, ThreadPoolExecutor(4) as pool:
@@ -635,10 +668,10 @@ def test_write_at_from_many_threads_assembles_the_extent(store: LocalBlockStore)
     assert _read_all(store, extent_id) == b"".join(parts)
 
 
-def test_write_at_after_abort_raises_and_leaves_nothing(store: LocalBlockStore) -> None:
-    writer = store.create()
+def test_write_at_after_abort_raises_and_leaves_nothing(local_store: LocalBlockStore) -> None:
+    writer = local_store.create()
     writer.write_at(10, b"tail")
     writer.abort()
     with pytest.raises(StorageError):
         writer.write_at(0, b"head")
-    assert list(store.list()) == [] and _parts(store) == []
+    assert list(local_store.list()) == [] and _parts(local_store) == []

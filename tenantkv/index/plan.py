@@ -181,18 +181,23 @@ def _touch(classes: int) -> Update:
     )
 
 
-def record_use(connection: Connection, tenant_id: bytes, extent_ids: list[str], now: float) -> None:
+def record_use(
+    connection: Connection, tenant_id: bytes, extent_ids: list[str], now: float
+) -> dict[str, float]:
     """Mark a tenant's extents as used at ``now``: each one's retention (by its class) restarts
     and LRU eviction sees the use. Runs after a load, in the background -- but on 2 cores it
     competes for the interpreter with the next load's first layer, hence Core statements, and
-    two of them (read the retention, update the extents) however many classes the tenant has."""
+    two of them (read the retention, update the extents) however many classes the tenant has.
+    Returns the tenant's retention classes (none if it was deleted), for block stores that
+    expire extents themselves."""
     retention_text = connection.execute(_RETENTION, {"tenant_id": tenant_id}).scalar()
     if retention_text is None:
-        return  # the tenant was deleted meanwhile
+        return {}  # the tenant was deleted meanwhile
     classes = loads_retention(retention_text)
     if not classes or not extent_ids:
-        return
+        return classes
     connection.execute(
         _touch(len(classes)),
         {"ids": extent_ids, "used_at": now, **retention_parameters(classes)},
     )
+    return classes

@@ -50,7 +50,9 @@ def collect(
         held = ctx.leases.held(session, [row.id for row in expired])
     expired = [row for row in expired if row.id not in held]
     names = _tenant_names(ctx) if expired and ctx.metrics.tenant_labels else {}
-    existing = list(ctx.blocks.list())
+    # A store that cannot list cheaply (Redis: a SCAN of the whole key space) is not swept:
+    # its orphans expire by the TTL every commit sets (StoreCapabilities.expires).
+    existing = list(ctx.blocks.list()) if ctx.blocks.capabilities.cheap_listing else []
     total = len(expired) + len(existing)
     done = 0
     removed_bytes = 0

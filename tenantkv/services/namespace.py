@@ -276,7 +276,9 @@ class Namespace:
         salt = new_salt()
         context = SegmentContext(self.identity.tenant_id, key_version, self.identity.namespace_id)
         cipher = ExtentCipher(data_key, salt, context, suite)
-        extent_id = self._write_extent(geometry, cipher, keys, positions, rows, first_row_block)
+        extent_id = self._write_extent(
+            geometry, cipher, keys, positions, rows, first_row_block, retention[kind]
+        )
         try:
             inserted, evicted = self._index_extent(
                 extent_id, geometry, key_version, salt, keys, positions, kind, retention[kind]
@@ -335,8 +337,10 @@ class Namespace:
         positions: list[int],
         rows: list[torch.Tensor],
         first_row_block: int,
+        retain_for: float,
     ) -> str:
-        """Seal and write layers on the worker pool, a bounded window at a time; then commit.
+        """Seal and write layers on the worker pool, a bounded window at a time; then commit
+        (``retain_for``: the class's retention, for stores that expire extents themselves).
 
         Layers go to disjoint offsets, so workers write them in parallel (one ``pwrite`` each)
         and no layer waits for another; the window keeps a large store from queueing all its
@@ -371,7 +375,7 @@ class Namespace:
                 for future in pending:
                     future.cancel()
                 wait_futures(pending)  # no worker may still write once the writer is aborted
-            return writer.commit()
+            return writer.commit(retain_for=retain_for)
 
     def _index_extent(
         self,
@@ -658,11 +662,18 @@ class Namespace:
         them. Bookkeeping only: never fails a load."""
         try:
             with self._ctx.index.write_connection() as connection:
-                record_use(connection, self.identity.tenant_id, extent_ids, now)
+                classes = record_use(connection, self.identity.tenant_id, extent_ids, now)
                 gone = set(extent_ids) - extents.indexed(connection, extent_ids)
         except SQLAlchemyError as err:
             logger.warning("could not record extent use: %s", err)
             return  # bytes of extents that left the index are the orphan sweep's then
+        if classes and self._ctx.blocks.capabilities.expires:
+            # The store forgets extents by itself: restart their TTL too, by the tenant's
+            # longest class (never shorter than the index's expiry; GC removes them first).
+            try:
+                self._ctx.blocks.retain(set(extent_ids) - gone, max(classes.values()))
+            except StorageError as err:
+                logger.warning("could not extend extent TTLs in the block store: %s", err)
         if gone:
             self._ctx.remover.remove_bytes(gone)
 

@@ -110,7 +110,8 @@ def _reseal_one(ctx: CacheContext, extent: Extent, new_key: bytes, version: int)
                     view[new_slot * stride : (new_slot + 1) * stride],
                 )
             writer.write_at(new.offset(layer, 0), out)
-        new_id = writer.commit()
+        # As long as the extent it replaces has left (at least a minute, for the switch-over).
+        new_id = writer.commit(retain_for=max(60.0, extent.expires_at - ctx.clock()))
     try:
         with ctx.index.write() as session:
             replacement = Extent(

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Load throughput of one prefix from each block-store tier: a directory, Redis, and Redis in
+front of the directory (hot hit and cold read-through).
+
+One 61-layer DeepSeek-V3-shaped prefix (MLA: 576 bf16 values = 1,152 B per token per layer;
+``--tokens`` default 8,192 = 575.7 MB) is stored once, untimed, in three caches that share
+nothing but the Redis server: ``file:///<dir>``, ``redis://...?prefix=<random>`` and the tiered
+``redis://...?prefix=<random>,file:///<dir>``. Every method is checked once, untimed, to load
+exactly the stored bytes; then the loads are timed in ``--reps`` round-robin rounds (one rep of
+each method per round, so drifting machine load hits all methods alike):
+
+* file tier -- the baseline: ``LocalBlockStore``, page cache warm;
+* redis tier -- ``RedisBlockStore`` (GETRANGE per read, over TCP to 127.0.0.1);
+* tiered, hot hit -- the extent is in Redis; the directory is not read;
+* tiered, cold read-through -- before each rep (untimed) the extent's Redis keys are deleted,
+  so the load misses the hot tier, reads the directory, and promotes the extent back into
+  Redis in the background (the promotion is waited for untimed after the rep).
+
+A load is ``with ns.load(tokens) as s: for i, layer in s: pass`` from the call to the last
+layer. Throughput is plaintext bytes / second (1 GB = 1e9 B). Ratios of medians against the
+file tier, measured in the same run. The Redis keys (under random prefixes) and the data
+directory are removed at the end.
+
+Run:  .venv/bin/python bench/tiers.py [--tokens 8192] [--reps 5] [--layers 61]
+      [--redis redis://127.0.0.1:6379/0] [--dir /tmp] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from _common import Result, format_table, machine_info, plot_results, print_kv, repeat, stopwatch
+from store_load import DTYPE, KV_LORA_RANK, ROPE_DIM, VALUES_PER_TOKEN, VOCAB_SIZE
+
+import tenantkv
+from tenantkv.storage import TieredBlockStore
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8192, help="prefix length (multiple of 64)")
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the Redis server")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the file tier lives")
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "results")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def layers_of(tokens: int, layers: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(tokens, VALUES_PER_TOKEN, generator=gen).to(DTYPE) for _ in range(layers)]
+
+
+def load_once(ns: Any, tokens: list[int], expected: list[torch.Tensor] | None = None) -> None:
+    with ns.load(tokens) as stream:
+        for index, layer in stream:
+            if expected is not None:
+                assert torch.equal(layer.view(torch.int16), expected[index].view(torch.int16))
+
+
+def drop_keys(client: Any, prefix: str) -> None:
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="tenantkv-tiers-", dir=args.dir))
+    client = redis.Redis.from_url(args.redis)
+    prefixes = {name: f"tkvbench:{secrets.token_hex(4)}:" for name in ("redis", "tiered")}
+    rng = random.Random(args.seed)
+    tokens = [rng.randrange(VOCAB_SIZE) for _ in range(args.tokens)]
+    layout = tenantkv.KVLayout.mla(
+        num_layers=args.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
+    )
+    nbytes = args.tokens * args.layers * VALUES_PER_TOKEN * DTYPE.itemsize
+    info = machine_info(str(work))
+    info["redis"] = f"{args.redis} (server {client.info('server')['redis_version']})"
+    print_kv("machine", info)
+    print(f"prefix: {args.tokens} tokens x {args.layers} layers = {nbytes / 1e6:.1f} MB\n")
+    urls = {
+        "file": (work / "file").as_uri(),
+        "redis": f"{args.redis}?prefix={prefixes['redis']}",
+        "tiered": f"{args.redis}?prefix={prefixes['tiered']},{(work / 'cold').as_uri()}",
+    }
+    caches: dict[str, Any] = {}
+    try:
+        data = layers_of(args.tokens, args.layers, args.seed)
+        namespaces = {}
+        for name, url in urls.items():
+            kv = tenantkv.open(work / f"cache-{name}", durable=False, block_store_url=url)
+            caches[name] = kv
+            kv.create_tenant("bench")
+            ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+            assert ns.store(tokens, data) == args.tokens, f"{name}: store was skipped"
+            namespaces[name] = ns
+        tiered = caches["tiered"]._ctx.blocks
+        assert isinstance(tiered, TieredBlockStore)
+
+        def to_cold(_: int) -> None:
+            drop_keys(client, prefixes["tiered"])
+
+        def settle(_: int) -> None:
+            tiered.wait_for_promotions()
+
+        methods: list[tuple[str, Any, Callable[[int], None] | None, Callable[[int], None] | None]]
+        methods = [
+            ("file tier", namespaces["file"], None, None),
+            ("redis tier", namespaces["redis"], None, None),
+            ("tiered, hot hit", namespaces["tiered"], settle, None),
+            ("tiered, cold read-through", namespaces["tiered"], to_cold, settle),
+        ]
+        for _name, ns, before, after in methods:  # correctness, untimed
+            if before:
+                before(0)
+            load_once(ns, tokens, data)
+            if after:
+                after(0)
+        del data
+        seconds: dict[str, list[float]] = {name: [] for name, *_ in methods}
+        for _rep in range(args.reps):
+            for name, ns, before, after in methods:
+                seconds[name] += repeat(
+                    stopwatch(lambda _r, ns=ns: load_once(ns, tokens)),
+                    1,
+                    before=before,
+                    after=after,
+                )
+        stats = tiered.stats()
+    finally:
+        for kv in caches.values():
+            kv.close()
+        for prefix in prefixes.values():
+            drop_keys(client, prefix)
+        client.close()
+        shutil.rmtree(work, ignore_errors=True)
+    results = [Result(name, "tenantkv", None, nbytes, seconds[name]) for name in seconds]
+    print(format_table(results))
+    base = results[0].median_gbps
+    print("\nratios of medians (same run):")
+    for r in results[1:]:
+        print(f"  {r.name} / file tier: {r.median_gbps / base:.2f}")
+    print(f"\ntiered store counters: {stats}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_results(results, args.out / "tiers.png", f"load of {nbytes / 1e6:.0f} MB by tier")
+    summary = {
+        "machine": info,
+        "tokens": args.tokens,
+        "layers": args.layers,
+        "results": [r.as_dict() for r in results],
+        "ratios": {r.name: r.median_gbps / base for r in results[1:]},
+        "tiered_stats": stats,
+        "median_gbps": {r.name: statistics.median(r.gbps) for r in results},
+    }
+    (args.out / "tiers.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nwrote {args.out / 'tiers.png'} and {args.out / 'tiers.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
