@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from . import crypto
 from .audit import Attribution
@@ -59,9 +59,15 @@ class TenantKV:
         self._coordination = CoordinationThread(context.leases, context.key_epoch)
         try:
             prepare_index(context, key_wrapper)
-        except BaseException:
+        except BaseException as err:
             context.runtime.shutdown(wait=False)
+            context.blocks.close()
             context.index.close()
+            if isinstance(err, OperationalError):  # unreachable, timed out, refused
+                url = context.index.engine.url.render_as_string(hide_password=True)
+                raise CacheUnavailableError(
+                    f"opening the index at {url} failed: {err.orig}"
+                ) from err
             raise
         self._coordination.start()
         if context.config.gc_interval is not None:
