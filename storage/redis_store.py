@@ -423,8 +423,12 @@ class RedisBlockStore(BlockStore):
         """Push each extent's expiry out to ``seconds`` from now (never shorten it)."""
         keys = [self.prefix + i for i in extent_ids if _ID_PATTERN.fullmatch(i)]
         with _redis_errors("extending extent TTLs"):
+            pipe = self.client.pipeline(transaction=False)  # one round trip for all
             for key in keys:
-                self._retain_script(keys=[key], args=[_milliseconds(seconds), self.chunk_bytes])
+                self._retain_script(
+                    keys=[key], args=[_milliseconds(seconds), self.chunk_bytes], client=pipe
+                )
+            pipe.execute()
 
     def temporary(self) -> tuple[str, ...]:
         """Ids of extents being written (or left by crashed writers until their keys expire)."""
