@@ -10,7 +10,9 @@ exactly the stored bytes; then the loads are timed in ``--reps`` round-robin rou
 each method per round, so drifting machine load hits all methods alike):
 
 * file tier -- the baseline: ``LocalBlockStore``, page cache warm;
-* redis tier -- ``RedisBlockStore`` (GETRANGE per read, over TCP to 127.0.0.1);
+* redis raw read -- the ceiling of the Redis tier: the same stored bytes read with pipelined
+  1 MiB GETRANGEs, with no decryption and no cache around them;
+* redis tier -- ``RedisBlockStore`` (pipelined 1 MiB GETRANGEs per read, over TCP to 127.0.0.1);
 * tiered, hot hit -- the extent is in Redis; the directory is not read;
 * tiered, cold read-through -- before each rep (untimed) the extent's Redis keys are deleted,
   so the load misses the hot tier, reads the directory, and promotes the extent back into
@@ -74,6 +76,19 @@ def load_once(ns: Any, tokens: list[int], expected: list[torch.Tensor] | None = 
                 assert torch.equal(layer.view(torch.int16), expected[index].view(torch.int16))
 
 
+def raw_read(client: Any, prefix: str, piece: int = 2**20) -> int:
+    """Read every chunk key under ``prefix`` with pipelined GETRANGEs of ``piece`` bytes;
+    the byte count read."""
+    total = 0
+    for key in client.scan_iter(match=prefix + "*:*", count=1000):
+        size = client.strlen(key)
+        pipe = client.pipeline(transaction=False)
+        for start in range(0, size, piece):
+            pipe.getrange(key, start, min(start + piece, size) - 1)
+        total += sum(len(part) for part in pipe.execute())
+    return total
+
+
 def drop_keys(client: Any, prefix: str) -> None:
     keys = list(client.scan_iter(match=prefix + "*", count=1000))
     if keys:
@@ -120,14 +135,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         def settle(_: int) -> None:
             tiered.wait_for_promotions()
 
-        methods: list[tuple[str, Any, Callable[[int], None] | None, Callable[[int], None] | None]]
-        methods = [
+        # stored ciphertext: the payload plus a few headers and tags per layer
+        stored = raw_read(client, prefixes["redis"])
+        assert nbytes <= stored < 1.01 * nbytes, f"raw read found {stored} bytes"
+
+        def read_raw() -> None:
+            raw_read(client, prefixes["redis"])
+
+        Hook = Callable[[int], None] | None
+        # (name, the namespace it loads from or None for the raw read, before, after)
+        methods: list[tuple[str, Any, Hook, Hook]] = [
             ("file tier", namespaces["file"], None, None),
+            ("redis raw read", None, None, None),
             ("redis tier", namespaces["redis"], None, None),
             ("tiered, hot hit", namespaces["tiered"], settle, None),
             ("tiered, cold read-through", namespaces["tiered"], to_cold, settle),
         ]
         for _name, ns, before, after in methods:  # correctness, untimed
+            if ns is None:
+                continue
             if before:
                 before(0)
             load_once(ns, tokens, data)
@@ -137,11 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds: dict[str, list[float]] = {name: [] for name, *_ in methods}
         for _rep in range(args.reps):
             for name, ns, before, after in methods:
+                run = read_raw if ns is None else lambda ns=ns: load_once(ns, tokens)
                 seconds[name] += repeat(
-                    stopwatch(lambda _r, ns=ns: load_once(ns, tokens)),
-                    1,
-                    before=before,
-                    after=after,
+                    stopwatch(lambda _r, run=run: run()), 1, before=before, after=after
                 )
         stats = tiered.stats()
     finally:
@@ -157,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nratios of medians (same run):")
     for r in results[1:]:
         print(f"  {r.name} / file tier: {r.median_gbps / base:.2f}")
+    ceiling = next(r for r in results if r.name == "redis raw read").median_gbps
+    print(f"  redis tier / redis raw read: {results[2].median_gbps / ceiling:.2f}")
     print(f"\ntiered store counters: {stats}")
     args.out.mkdir(parents=True, exist_ok=True)
     plot_results(results, args.out / "tiers.png", f"load of {nbytes / 1e6:.0f} MB by tier")

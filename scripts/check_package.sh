@@ -46,7 +46,7 @@ declare -A EXTRA_MODULES=(
     [hf]="transformers"
     [postgres]="psycopg"
     [metrics]="prometheus_client"
-    [redis]="redis"
+    [redis]="redis hiredis"
 )
 started=$SECONDS
 checked=()

@@ -62,6 +62,10 @@ DEFAULT_TEMP_TTL = 600.0
 #: Bytes per chunk key: well under Redis' 512 MiB string limit, large enough that a layer's
 #: range read touches one or two keys.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: Bytes per ``GETRANGE`` of a read: a range is fetched as pipelined pieces of this size, since
+#: one multi-megabyte reply costs the client far more per byte to receive and parse than a few
+#: smaller ones (bench/tiers.py measures the tier).
+READ_PIECE_BYTES = 2**20
 _ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 _TEMP = "tmp:"
 _FIELD = 20  # digits of each header field
@@ -171,15 +175,34 @@ def parse_redis_url(url: str) -> tuple[str, str]:
     return urlunparse(parsed._replace(query=urlencode(rest))), prefix
 
 
-def _spans(offset: int, length: int, chunk: int) -> Iterator[tuple[int, int, int, int]]:
+def _spans(
+    offset: int, length: int, chunk: int, piece: int | None = None
+) -> Iterator[tuple[int, int, int, int]]:
     """(chunk number, offset in the chunk, offset in the data, length) of each piece of the
-    byte range ``[offset, offset + length)``."""
+    byte range ``[offset, offset + length)``: pieces never cross a chunk and hold at most
+    ``piece`` bytes (no limit when ``None``)."""
     done = 0
     while done < length:
         number, inner = divmod(offset + done, chunk)
-        part = min(chunk - inner, length - done)
+        part = min(chunk - inner, length - done, piece or length)
         yield number, inner, done, part
         done += part
+
+
+def _scatter(parts: Iterable[bytes], views: Sequence[memoryview]) -> None:
+    """Copy consecutive ``parts`` into consecutive ``views`` once, without joining them."""
+    targets = iter(views)
+    target = next(targets)
+    filled = 0
+    for part in parts:
+        source = memoryview(part)
+        while source:
+            while filled == len(target):
+                target, filled = next(targets), 0
+            step = min(len(source), len(target) - filled)
+            target[filled : filled + step] = source[:step]
+            source = source[step:]
+            filled += step
 
 
 class _RedisWriter(ExtentWriter):
@@ -280,7 +303,7 @@ class _RedisReader(ExtentReader):
             raise ShortReadError(
                 f"extent ends at byte {self._size}, wanted up to {offset + wanted}"
             )
-        spans = list(_spans(offset, wanted, store.chunk_bytes))
+        spans = list(_spans(offset, wanted, store.chunk_bytes, store.read_piece_bytes))
         with _redis_errors("reading extent"):
             if len(spans) == 1:
                 number, inner, _, length = spans[0]
@@ -297,11 +320,7 @@ class _RedisReader(ExtentReader):
         for (_, _, _, length), part in zip(spans, parts, strict=True):
             if len(part) != length:  # a chunk was evicted since the extent was opened
                 raise ShortReadError(f"extent {self._key} lost a chunk (evicted?)")
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        position = 0
-        for view in views:
-            view[:] = data[position : position + len(view)]
-            position += len(view)
+        _scatter(parts, [view for view in views if view])
 
     def close(self) -> None:
         self._store = None
@@ -323,15 +342,17 @@ class RedisBlockStore(BlockStore):
         prefix: str = DEFAULT_PREFIX,
         temp_ttl: float = DEFAULT_TEMP_TTL,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        read_piece_bytes: int = READ_PIECE_BYTES,
     ) -> None:
         if not prefix:
             raise ValueError("a Redis block store needs a non-empty key prefix")
-        if chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be positive")
+        if chunk_bytes <= 0 or read_piece_bytes <= 0:
+            raise ValueError("chunk_bytes and read_piece_bytes must be positive")
         self.client = client
         self.prefix = prefix
         self.temp_ttl = temp_ttl
         self.chunk_bytes = chunk_bytes
+        self.read_piece_bytes = read_piece_bytes
         self.write_script = client.register_script(_WRITE)
         self.commit_script = client.register_script(_COMMIT)
         self._delete_script = client.register_script(_DELETE)
@@ -402,8 +423,12 @@ class RedisBlockStore(BlockStore):
         """Push each extent's expiry out to ``seconds`` from now (never shorten it)."""
         keys = [self.prefix + i for i in extent_ids if _ID_PATTERN.fullmatch(i)]
         with _redis_errors("extending extent TTLs"):
+            pipe = self.client.pipeline(transaction=False)  # one round trip for all
             for key in keys:
-                self._retain_script(keys=[key], args=[_milliseconds(seconds), self.chunk_bytes])
+                self._retain_script(
+                    keys=[key], args=[_milliseconds(seconds), self.chunk_bytes], client=pipe
+                )
+            pipe.execute()
 
     def temporary(self) -> tuple[str, ...]:
         """Ids of extents being written (or left by crashed writers until their keys expire)."""

@@ -18,15 +18,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from . import crypto
 from .audit import Attribution
-from .config import CacheConfig, open_blocks
+from .config import CacheConfig, open_blocks, open_key_wrapper
 from .context import CacheContext, build_context
 from .coordination import CoordinationThread
-from .crypto import KeyEncryptionKey, KeyWrapper, default_master_key_provider
-from .errors import CacheUnavailableError, InvalidRequestError, MasterKeyError
+from .crypto import KeyWrapper
+from .errors import CacheUnavailableError, InvalidRequestError
 from .index import stats
 from .index.database import Database
 from .layout import KVLayout
@@ -59,9 +58,15 @@ class TenantKV:
         self._coordination = CoordinationThread(context.leases, context.key_epoch)
         try:
             prepare_index(context, key_wrapper)
-        except BaseException:
+        except BaseException as err:
             context.runtime.shutdown(wait=False)
+            context.blocks.close()
             context.index.close()
+            if isinstance(err, OperationalError):  # unreachable, timed out, refused
+                url = context.index.engine.url.render_as_string(hide_password=True)
+                raise CacheUnavailableError(
+                    f"opening the index at {url} failed: {err.orig}"
+                ) from err
             raise
         self._coordination.start()
         if context.config.gc_interval is not None:
@@ -334,19 +339,6 @@ class TenantKV:
         }
 
 
-def _key_wrapper(config: CacheConfig) -> KeyWrapper:
-    """The master key the config names (the key file under the root by default)."""
-    if isinstance(config.master_key, KeyWrapper):
-        return config.master_key
-    provider = config.master_key or default_master_key_provider(config.root / "master.key")
-    try:
-        return KeyEncryptionKey(provider.load())
-    except crypto.MasterKeyError as err:
-        if isinstance(err, MasterKeyError):
-            raise
-        raise MasterKeyError(str(err)) from err
-
-
 def open(
     root_or_config: str | os.PathLike[str] | CacheConfig,
     /,
@@ -388,7 +380,7 @@ def open(
         settings.setdefault("load_workers", load_threads)
     config = config.with_overrides(**settings)
     private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
-    wrapper = _key_wrapper(config)
+    wrapper = open_key_wrapper(config)
     store = block_store or open_blocks(config)
     context = build_context(
         config, index=Database(config.index_url), blocks=store, key_wrapper=wrapper, clock=clock

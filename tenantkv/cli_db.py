@@ -10,15 +10,14 @@ from typing import Any
 
 from sqlalchemy import make_url
 
-from .api import _key_wrapper
-from .config import config_for_root, default_root
+from .config import config_for_root, default_root, open_key_wrapper
 from .index.migrate import head_revision
 from .services.schema_upgrade import current_state, upgrade_index
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     config = config_for_root(args.root)
-    done = upgrade_index(config, _key_wrapper(config))
+    done = upgrade_index(config, open_key_wrapper(config))
     if done.before == done.after:
         print(f"index already at revision {done.after}: nothing to do")
     else:

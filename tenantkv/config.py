@@ -20,8 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .crypto import DEFAULT_SUITE, CipherSuite, KeyWrapper, MasterKeyProvider
-from .errors import InvalidRequestError
+from . import crypto
+from .crypto import (
+    DEFAULT_SUITE,
+    CipherSuite,
+    KeyEncryptionKey,
+    KeyWrapper,
+    MasterKeyProvider,
+    default_master_key_provider,
+)
+from .errors import InvalidRequestError, MasterKeyError
 from .storage import BlockStore, BlockStoreUrlError, check_block_store_url, open_block_store
 
 DEFAULT_ROOT = "./tenantkv-data"
@@ -184,6 +192,20 @@ class CacheConfig:
             values[field.name] = _parse_env(field.name, raw)
         values.update(overrides)
         return cls(**values)
+
+
+def open_key_wrapper(config: CacheConfig) -> KeyWrapper:
+    """The master key the config names (the key file under the root by default); a key that
+    is missing or unreadable is a MasterKeyError."""
+    if isinstance(config.master_key, KeyWrapper):
+        return config.master_key
+    provider = config.master_key or default_master_key_provider(config.root / "master.key")
+    try:
+        return KeyEncryptionKey(provider.load())
+    except crypto.MasterKeyError as err:
+        if isinstance(err, MasterKeyError):
+            raise
+        raise MasterKeyError(str(err)) from err
 
 
 def open_blocks(config: CacheConfig) -> BlockStore:

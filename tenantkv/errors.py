@@ -10,7 +10,8 @@
   :class:`LoadRevokedError` the case where the tenant was deleted (or the key version retired)
   while the load ran.
 * :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
-  serving path degrades to a miss; maintenance calls raise it).
+  serving path degrades to a miss; maintenance calls raise it, and so does ``open()`` when the
+  index server cannot be reached in time).
 * :class:`MasterKeyError` -- the master key is missing, unreadable, or not this index's.
 * :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
   ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
@@ -51,7 +52,8 @@ class CacheClosedError(TenantKVError):
 
 
 class CacheUnavailableError(TenantKVError):
-    """The index or block store failed; raised only in strict mode."""
+    """The index or block store failed: from ``open()`` (the index server cannot be reached),
+    maintenance calls, and the serving path in strict mode."""
 
 
 class LoadError(TenantKVError):

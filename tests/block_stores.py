@@ -61,7 +61,9 @@ def make_store(kind: str, root: Path, prefix: str) -> BlockStore:
     redis_client().close()  # skip cleanly without redis-py
     from tenantkv.storage.redis_store import RedisBlockStore
 
-    hot = RedisBlockStore.from_url(redis_url(prefix))
+    # Tiny chunks and read pieces, so that the machines' small extents span several chunk keys
+    # and their range reads several pipelined pieces.
+    hot = RedisBlockStore.from_url(redis_url(prefix), chunk_bytes=100, read_piece_bytes=7)
     if kind == "redis":
         return hot
     return TieredBlockStore([hot, LocalBlockStore(root, durable=False)])

@@ -11,6 +11,8 @@ A second node connected directly is the control: it is untouched throughout.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, make_url, select, text
 
 import tenantkv
-from tenantkv.errors import CacheMissError
+from tenantkv.errors import CacheMissError, CacheUnavailableError
 from tenantkv.index.schema import Lease
 
 from .helpers import MLA_SMALL, layers_equal, random_layers, random_tokens
@@ -28,6 +30,7 @@ from .tcp_proxy import TcpProxy
 
 TOKENS = 128
 _BACKENDS = text("SELECT pid FROM pg_stat_activity WHERE application_name = :name")
+_PREPARED = text("SELECT count(*) FROM pg_prepared_statements")
 _TERMINATE = text(
     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = :name"
 )
@@ -173,3 +176,69 @@ def test_an_unreachable_server_degrades_to_misses_and_the_node_recovers(
             assert node_a.security_events() == {} and node_b.security_events() == {}
     finally:
         proxy.stop()
+
+
+def _silent_server() -> socket.socket:
+    """A port that accepts connections (the kernel completes them) but never answers."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    return listener
+
+
+@pytest.mark.parametrize("url_timeout", [None, 1])
+def test_a_server_that_never_answers_fails_open_within_the_connect_timeout(
+    tmp_path: Path, url_timeout: int | None
+) -> None:
+    """A node whose index server hangs gives up after ``connect_timeout`` (5 s unless the URL
+    says otherwise) with a typed error, instead of waiting for the kernel's TCP timeout."""
+    listener = _silent_server()
+    query = "" if url_timeout is None else f"?connect_timeout={url_timeout}"
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{listener.getsockname()[1]}/test{query}"
+    outcome: list[BaseException | None] = []
+
+    def attempt() -> None:
+        try:
+            tenantkv.open(tmp_path / "cache", durable=False, database_url=url).close()
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    started = time.monotonic()
+    opener = threading.Thread(target=attempt, daemon=True)
+    opener.start()
+    opener.join(timeout=60)  # without a connect timeout libpq would wait for minutes
+    elapsed = time.monotonic() - started
+    listener.close()
+    assert outcome, "open() was still waiting for the silent server after 60 s"
+    assert isinstance(outcome[0], CacheUnavailableError), outcome
+    assert "timeout" in str(outcome[0])
+    expected = 5 if url_timeout is None else url_timeout
+    # libpq gives up once the timeout expires for each address it tries
+    assert expected * 0.8 <= elapsed < expected * 2 + 5
+
+
+def test_a_cache_never_leaves_prepared_statements_on_the_server(
+    tmp_path: Path, index: Index, admin: Engine
+) -> None:
+    """psycopg would prepare a statement on its fifth run; a lookup's long IN list then runs on a
+    generic plan, several times slower, and a PgBouncer in transaction mode breaks. The cache's
+    connections never prepare (control: a plain psycopg connection does, and the view shows it)."""
+    root = tmp_path / "cache"
+    tokens = random_tokens(TOKENS, seed=6)
+    with tenantkv.open(root, durable=False) as kv:
+        kv.create_tenant("acme", quota_bytes=2**30)
+        ns = kv.namespace("acme", model="fleet-model", layout=MLA_SMALL)
+        assert ns.store(tokens, random_layers(MLA_SMALL, TOKENS, seed=6)) == TOKENS
+        for _ in range(10):
+            assert ns.lookup(tokens) == TOKENS
+        with kv.context.index.engine.connect() as connection:
+            assert connection.execute(_PREPARED).scalar_one() == 0
+    control = create_engine(POSTGRES_URL, pool_size=1, max_overflow=0)
+    try:
+        with control.connect() as connection:
+            for _ in range(6):
+                connection.execute(text("SELECT 1 WHERE 1 = :one"), {"one": 1})
+            assert connection.execute(_PREPARED).scalar_one() >= 1
+    finally:
+        control.dispose()

@@ -301,3 +301,33 @@ def test_bad_block_store_urls_are_refused(url: str) -> None:
         open_block_store(url)
     with pytest.raises(tenantkv.InvalidRequestError):
         tenantkv.CacheConfig(block_store_url=url)
+
+
+def test_a_longer_retention_reaches_the_redis_ttls_at_once(
+    tmp_path: Path, prefix: str, index: Index
+) -> None:
+    """Redis forgets an extent when its TTL (set from the retention at its last store or load)
+    runs out. Lengthening the retention must push the TTLs out then, not at the next use, or
+    Redis drops extents the index still serves. Other classes' extents keep their TTLs."""
+    with _open(tmp_path / "cache", redis_url(prefix)) as kv:
+        kv.create_tenant("acme", retention={"agent": "1h", "chat": "2h"})
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        layers = random_layers(MLA_SMALL, NUM_TOKENS)
+        assert ns.store(TOKENS, layers, kind="agent") == NUM_TOKENS
+        other = [t + 1 for t in TOKENS]
+        assert ns.store(other, layers, kind="chat") == NUM_TOKENS
+        # (no load before the TTLs are read: a load restarts its extent's TTL in the background)
+        client = redis_client()
+        try:
+            before = {k: client.ttl(k) for k in _extent_keys(prefix)}
+            assert len(_extents(prefix)) == 2
+            agent = {k for k, ttl in before.items() if ttl <= 3600}
+            chat = set(before) - agent
+            assert agent and chat and all(3000 < ttl <= 7200 for ttl in before.values())
+            kv.update_tenant("acme", retention={"agent": "30d"})
+            after = {k: client.ttl(k) for k in before}
+        finally:
+            client.close()
+        assert all(after[k] > 29 * 86400 for k in agent)  # pushed out with the retention
+        assert all(abs(after[k] - before[k]) <= 5 for k in chat)  # untouched
+        assert ns.lookup(TOKENS) == NUM_TOKENS and _loads_exactly(ns, layers)  # still served

@@ -99,8 +99,14 @@ def _server_connect_args(url: str) -> tuple[dict[str, Any], str | None]:
 
     A name per cache (``tenantkv:<pid>:<random>``) shows in ``pg_stat_activity``, so an operator
     (or a test) can tell the nodes' connections apart and act on one node's alone. A name or
-    timeout given in the URL's query wins."""
-    query = make_url(url).query
+    timeout given in the URL's query wins.
+
+    psycopg 3's automatic server-side prepared statements are off: a lookup's ``IN`` list of
+    hundreds of keys, once prepared, ran on a generic plan several times slower than planning it
+    afresh (bench/fleet.py: a 128K-token lookup took ~2x as long), and prepared statements break
+    behind a PgBouncer in transaction mode, a common way to share a server among many nodes."""
+    parsed = make_url(url)
+    query = parsed.query
     args: dict[str, Any] = {}
     name = query.get("application_name")
     if name is None:
@@ -108,6 +114,8 @@ def _server_connect_args(url: str) -> tuple[dict[str, Any], str | None]:
         args["application_name"] = name
     if "connect_timeout" not in query:
         args["connect_timeout"] = _PG_CONNECT_TIMEOUT_S
+    if parsed.get_driver_name() == "psycopg":  # psycopg 3's setting; psycopg2 never prepares
+        args["prepare_threshold"] = None
     return args, name if isinstance(name, str) else None
 
 

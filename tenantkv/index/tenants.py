@@ -77,8 +77,14 @@ def restart_retention(session: Session, tenant_id: bytes, classes: Mapping[str, 
     session.execute(statement, retention_parameters(classes))
 
 
-def extent_ids(session: Session, tenant_id: bytes) -> list[str]:
-    return list(session.scalars(select(Extent.id).where(Extent.tenant_id == tenant_id)).all())
+def extent_ids(
+    session: Session, tenant_id: bytes, kinds: Collection[str] | None = None
+) -> list[str]:
+    """Ids of the tenant's extents (of the retention classes ``kinds`` only, if given)."""
+    query = select(Extent.id).where(Extent.tenant_id == tenant_id)
+    if kinds is not None:
+        query = query.where(Extent.kind.in_(list(kinds)))
+    return list(session.scalars(query).all())
 
 
 def namespace_ids(session: Session, tenant_id: bytes) -> list[bytes]:

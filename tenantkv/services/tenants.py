@@ -8,6 +8,7 @@ crash intervenes).
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from collections.abc import Mapping
@@ -28,8 +29,11 @@ from ..metering import UsageReport, read_usage
 from ..retention import dumps as dumps_retention
 from ..retention import loads as loads_retention
 from ..retention import parse_retention
+from ..storage import StorageError
 from .evictions import discard_evicted
 from .shredding import scrub_after_shredding
+
+logger = logging.getLogger(__name__)
 
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -148,10 +152,13 @@ def update_tenant(
     by: Attribution,
 ) -> TenantInfo:
     """Change a tenant's quota and/or retention. A smaller quota evicts down to it at once; a
-    new retention applies to existing extents from their last use."""
+    new retention applies to existing extents from their last use (in a block store that
+    expires extents by itself too, see :func:`_extend_store_ttls`)."""
     if quota_bytes is not None:
         check_quota(quota_bytes)
     now = ctx.clock()
+    given: dict[str, float] = {}
+    retimed: list[str] = []
     with ctx.index.write() as session:
         row = _row(session, name, lock=True)
         evicted: list[Evicted] = []
@@ -160,6 +167,8 @@ def update_tenant(
             row.retention = dumps_retention({**loads_retention(row.retention), **given})
             # Only the classes given change; one statement restarts them all.
             tenant_rows.restart_retention(session, row.id, given)
+            if given and ctx.blocks.capabilities.expires:
+                retimed = tenant_rows.extent_ids(session, row.id, kinds=given)
         if quota_bytes is not None:
             _check_capacity(ctx, session, quota_bytes, row.id)
             row.quota_bytes = quota_bytes
@@ -183,7 +192,26 @@ def update_tenant(
             changes["retention"] = dict(info.retention or {})
         ctx.audit.append(session, by.event(name, TENANT_UPDATE, name, details=changes))
     discard_evicted(ctx, row.id, evicted, name)
+    _extend_store_ttls(ctx, retimed, given, evicted)
     return info
+
+
+def _extend_store_ttls(
+    ctx: CacheContext, extent_ids: list[str], given: Mapping[str, float], evicted: list[Evicted]
+) -> None:
+    """A block store that expires extents by itself (Redis) got each one's TTL at its last
+    store or load. A longer retention must reach those TTLs now, or the store would drop
+    extents the index still serves (a lost extent: a miss, but a needless one). Each extent of
+    a changed class is kept at least the longest given retention from now: never shorter than
+    its index expiry, and GC removes its bytes once that passes. Best effort, like every TTL."""
+    gone = {e.extent_id for e in evicted}
+    ids = [i for i in extent_ids if i not in gone]
+    if not ids:
+        return
+    try:
+        ctx.blocks.retain(ids, max(given.values()))
+    except StorageError as err:
+        logger.warning("could not extend extent TTLs in the block store: %s", err)
 
 
 def _given(retention: Mapping[str, Any]) -> dict[str, float]:
