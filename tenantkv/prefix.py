@@ -12,6 +12,16 @@ little-endian uint32. Chaining makes a block's key depend on every token before 
 match is a prefix match; keying makes keys unpredictable to anyone without the namespace key, so a
 tenant can neither plant a collision (vLLM CVE-2025-25183) nor link keys across namespaces, and the
 index holds nothing from which tokens could be recovered. Only full blocks get keys.
+
+Edited prefixes (``tenantkv.editing``: tokens dropped, the rest repositioned) chain from a seed
+of their own instead of the fingerprint::
+
+    seed = H_ns'(parent_key || edit script)        (H_ns' = BLAKE2b keyed the same, another
+                                                    personalisation)
+
+``parent_key`` is the key of the parent prefix's last block (itself chained from the fingerprint,
+or from an earlier edit's seed), so an edited prefix's keys depend on every parent token and on
+the script, never collide with an unedited prefix's, and are as unpredictable across namespaces.
 """
 
 from __future__ import annotations
@@ -36,7 +46,11 @@ BlockKey = NewType("BlockKey", bytes)
 Fingerprint = NewType("Fingerprint", bytes)
 """SHA-256 of the model identity and KV layout of a namespace (32 bytes)."""
 
+EditSeed = NewType("EditSeed", bytes)
+"""Where an edited prefix's key chain starts (32 bytes; see the module docstring)."""
+
 _PERSON = b"tenantkv-pfx-v1"  # BLAKE2b personalisation: domain separation from other uses
+_EDIT_PERSON = b"tenantkv-edit-v1"
 
 
 def model_fingerprint(model: str, revision: str | None, layout: dict[str, Any]) -> Fingerprint:
@@ -67,11 +81,12 @@ def full_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
 
 def block_keys(
     namespace_key: bytes,
-    fingerprint: Fingerprint,
+    fingerprint: Fingerprint | EditSeed,
     tokens: TokenArray,
     block_tokens: int = BLOCK_TOKENS,
 ) -> list[BlockKey]:
-    """The chained keys of every full block of ``tokens``."""
+    """The chained keys of every full block of ``tokens``, chained from the namespace's
+    ``fingerprint`` (or from an edited prefix's seed)."""
     data = tokens.astype("<u4", copy=False).tobytes()
     step = block_tokens * 4
     keys: list[BlockKey] = []
@@ -84,3 +99,13 @@ def block_keys(
         previous = digest.digest()
         keys.append(BlockKey(previous))
     return keys
+
+
+def edit_seed(namespace_key: bytes, parent_key: BlockKey, script: bytes) -> EditSeed:
+    """The seed of the prefix made by applying ``script`` (its canonical bytes) to the prefix
+    whose last block key is ``parent_key``."""
+    digest = hashlib.blake2b(
+        parent_key, key=namespace_key, digest_size=BLOCK_KEY_BYTES, person=_EDIT_PERSON
+    )
+    digest.update(script)
+    return EditSeed(digest.digest())
