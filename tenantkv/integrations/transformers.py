@@ -184,9 +184,10 @@ def rope_for(model: PreTrainedModel) -> RopeSpec:
             f"{rope_type} RoPE changes its frequencies with the sequence length; cached keys "
             "cannot be repositioned exactly"
         )
+    # inv_freq as built from the config (a dynamic update may have replaced the buffer since)
     frequencies = getattr(rotary, "original_inv_freq", None)
     if not isinstance(frequencies, torch.Tensor):
-        frequencies = rotary.inv_freq
+        frequencies = getattr(rotary, "inv_freq")  # noqa: B009 - nn.Module attributes are Any
     return RopeSpec.from_frequencies(frequencies.detach().to("cpu", torch.float32))
 
 
