@@ -13,15 +13,21 @@ match is a prefix match; keying makes keys unpredictable to anyone without the n
 tenant can neither plant a collision (vLLM CVE-2025-25183) nor link keys across namespaces, and the
 index holds nothing from which tokens could be recovered. Only full blocks get keys.
 
-Edited prefixes (``tenantkv.editing``: tokens dropped, the rest repositioned) chain from a seed
-of their own instead of the fingerprint::
+Edited prefixes (``tenantkv.editing``: tokens dropped, the rest repositioned) share the parent's
+blocks up to the first block an edit touches (``n`` blocks: same tokens, same positions, same
+bytes), then chain from a seed of their own::
 
-    seed = H_ns'(parent_key || edit script)        (H_ns' = BLAKE2b keyed the same, another
-                                                    personalisation)
+    binding = H_edit(parent_key || edit script)
+    k_i     = parent chain's k_i                          for i < n
+    k_n     = H_ns(H_chain(k_{n-1} || binding) || tokens[64n : 64n + 64])   (k_{-1}: fingerprint)
+    k_i     = H_ns(k_{i-1} || tokens[64i : 64i + 64])   for i > n
 
-``parent_key`` is the key of the parent prefix's last block (itself chained from the fingerprint,
-or from an earlier edit's seed), so an edited prefix's keys depend on every parent token and on
-the script, never collide with an unedited prefix's, and are as unpredictable across namespaces.
+``H_edit`` and ``H_chain`` are BLAKE2b keyed the same with other personalisations.
+``parent_key`` is the key of the parent prefix's last block, so an edited prefix's keys depend on
+every parent token and on the script, never collide with an unedited prefix's, and are as
+unpredictable across namespaces. The seed of block ``n`` also hashes ``k_{n-1}`` as computed from
+the caller's tokens, so a key match is still a prefix match: other tokens in the shared blocks
+give other keys after them.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ EditSeed = NewType("EditSeed", bytes)
 
 _PERSON = b"tenantkv-pfx-v1"  # BLAKE2b personalisation: domain separation from other uses
 _EDIT_PERSON = b"tenantkv-edit-v1"
+_CHAIN_PERSON = b"tenantkv-ech-v1"
 
 
 def model_fingerprint(model: str, revision: str | None, layout: dict[str, Any]) -> Fingerprint:
@@ -101,11 +108,21 @@ def block_keys(
     return keys
 
 
-def edit_seed(namespace_key: bytes, parent_key: BlockKey, script: bytes) -> EditSeed:
-    """The seed of the prefix made by applying ``script`` (its canonical bytes) to the prefix
-    whose last block key is ``parent_key``."""
+def edit_binding(namespace_key: bytes, parent_key: BlockKey, script: bytes) -> bytes:
+    """What identifies the edit ``script`` (its canonical bytes) of the prefix whose last block
+    key is ``parent_key`` (32 bytes, keyed)."""
     digest = hashlib.blake2b(
         parent_key, key=namespace_key, digest_size=BLOCK_KEY_BYTES, person=_EDIT_PERSON
     )
     digest.update(script)
+    return digest.digest()
+
+
+def edit_seed(namespace_key: bytes, previous: bytes, binding: bytes) -> EditSeed:
+    """Where an edited prefix's own chain starts: after the shared block whose key is
+    ``previous`` (the fingerprint when no block is shared), for the edit ``binding``."""
+    digest = hashlib.blake2b(
+        previous, key=namespace_key, digest_size=BLOCK_KEY_BYTES, person=_CHAIN_PERSON
+    )
+    digest.update(binding)
     return EditSeed(digest.digest())

@@ -23,7 +23,8 @@ from tests.helpers import (
 )
 
 TOKENS = random_tokens(256, seed=17)
-SCRIPT = EditScript.dropping([(70, 100), (150, 170)])  # 50 dropped: 206 retained, 192 stored
+# 50 dropped: 206 retained, 3 full blocks of which block 0 (before the first span) is shared
+SCRIPT = EditScript.dropping([(70, 100), (150, 170)])
 
 
 def _rope(layout: KVLayout) -> RopeSpec:
@@ -49,9 +50,9 @@ def test_an_edited_prefix_round_trips_through_store_and_load(
 
     result = edit_cached_prefix(ns, TOKENS, SCRIPT, rope, kind="agent")
     assert result.origin is not None and result.origin.depth == 1
-    assert result.origin.dropped_tokens == 50
+    assert result.origin.dropped_tokens == 50 and result.origin.shared_blocks == 1
     assert result.tokens.tolist() == TOKENS[:70] + TOKENS[100:150] + TOKENS[170:]
-    assert result.stored_tokens == 192
+    assert result.stored_tokens == 128  # only what changed: block 0 is the parent's
     edited_tokens = result.tokens.tolist()
     assert ns.lookup(edited_tokens, origin=result.origin) == 192
     expected = edit_layers(layout, layers, 256, SCRIPT, rope)
@@ -62,12 +63,21 @@ def test_an_edited_prefix_round_trips_through_store_and_load(
     # Not the unedited prefix of the same tokens: on the unedited chain only the first block,
     # which lies before the first dropped span and so is the parent's own, hits.
     assert ns.lookup(edited_tokens) == 64
+    # A key match is a prefix match: other tokens in the shared block, even cached ones, give
+    # other keys after it, so the edited blocks are not served after them.
+    other_head = random_tokens(64, seed=18)
+    ns.store(other_head, prefix_of_layers(layout, layers, 64))
+    assert ns.lookup(other_head + edited_tokens[64:], origin=result.origin) == 64
     # The parent is still there, unchanged.
     assert ns.lookup(TOKENS) == 256
     for got, want in zip(load_all(ns, TOKENS), layers, strict=True):
         assert layers_equal(got, want)
     # Editing the same prefix with the same script again finds it stored.
     assert edit_cached_prefix(ns, TOKENS, SCRIPT, rope).stored_tokens == 0
+
+
+def prefix_of_layers(layout: KVLayout, layers: list[object], length: int) -> list[object]:
+    return [prefix_of(layer, length) for layer in layers]  # type: ignore[arg-type]
 
 
 def load_all_edited(ns: object, tokens: list[int], origin: object) -> list[object]:
@@ -97,8 +107,8 @@ def test_the_next_turn_extends_an_edited_prefix_and_edits_nest(tenants: TenantKV
     again = EditScript.dropping([(10, 20)])
     second = edit_cached_prefix(ns, turn[:256], again, rope, origin=first.origin)
     assert second.origin is not None and second.origin.depth == 2
-    assert second.origin.dropped_tokens == 60
-    assert second.stored_tokens == 192  # 246 retained tokens: 3 full blocks
+    assert second.origin.dropped_tokens == 60 and second.origin.shared_blocks == 0
+    assert second.stored_tokens == 192  # 246 retained tokens: 3 full blocks, none shared
     assert ns.lookup(second.tokens.tolist(), origin=second.origin) == 192
     assert ns.lookup(second.tokens.tolist(), origin=first.origin) == 0
 
@@ -122,7 +132,7 @@ def test_edits_are_metered_like_other_loads_and_stores(tenants: TenantKV) -> Non
     edit_cached_prefix(ns, TOKENS, SCRIPT, _rope(MHA_SMALL))
     after = tenants.usage("acme", scope="agent-1")
     assert after["served_tokens"] - before["served_tokens"] == 256  # the parent's load
-    assert after["stored_tokens"] - before["stored_tokens"] == 192  # the edited blocks
+    assert after["stored_tokens"] - before["stored_tokens"] == 128  # the changed blocks
     assert after["stored_bytes"] > before["stored_bytes"]
 
 
@@ -140,11 +150,14 @@ def test_one_namespaces_edits_are_invisible_to_another(tenants: TenantKV) -> Non
         tenants.namespace("acme", model="m", layout=MLA_SMALL),
     ]
     for other in others:
-        # The same tokens, parent and script, derived under the other namespace's key: a miss.
-        other.store(TOKENS, layers)
+        # The same parent, script and tokens, derived under the other namespace's key: nothing
+        # of the owner's edit is found, before or after the other stores the parent itself
+        # (then only its own parent's first block, which its edit shares, hits).
         theirs = other.edited(TOKENS, SCRIPT)
-        assert theirs is not None and theirs.seed != result.origin.seed
+        assert theirs is not None and theirs.binding != result.origin.binding
         assert other.lookup(edited_tokens, origin=theirs) == 0
+        other.store(TOKENS, layers)
+        assert other.lookup(edited_tokens, origin=theirs) == 64
         # Another namespace's edited prefix cannot be used at all.
         with pytest.raises(InvalidRequestError, match="another namespace"):
             other.lookup(edited_tokens, origin=result.origin)

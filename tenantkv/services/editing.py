@@ -6,11 +6,12 @@ metering of served tokens), edited by :mod:`tenantkv.editing.apply`, and stored 
 ordinary store path (quota, eviction, sealing, metering of stored tokens) on the edited
 prefix's own key chain, so it is isolated, metered and audited like any other store.
 
-Every block of the edited prefix is sealed anew: a segment's associated data binds its block
-key, and an edit changes the keys (and, after the first dropped span, which tokens share a
-block), so no sealed segment of the parent can be reused. Unmoved rows keep their plaintext
-bytes (``c_KV``, V, and every key before the first dropped span). The edited prefix's last
-partial block is not stored (only full blocks are), as for any prefix.
+Only what changed is written: the blocks before the first one the edit touches keep the
+parent's keys, so they are the parent's stored segments and the store skips them. Every later
+block is sealed anew, since a segment's associated data binds its block key and an edit changes
+the keys (and which tokens share a block); its unmoved values keep their plaintext bytes
+(``c_KV``, V). The edited prefix's last partial block is not stored (only full blocks are), as
+for any prefix.
 """
 
 from __future__ import annotations

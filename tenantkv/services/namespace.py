@@ -54,6 +54,7 @@ from ..prefix import (
     EditSeed,
     Fingerprint,
     block_keys,
+    edit_binding,
     edit_seed,
     layout_identity,
     model_fingerprint,
@@ -122,21 +123,28 @@ class Namespace:
 
     def _keys(self, tokens: Any, origin: EditedPrefix | None = None) -> list[BlockKey]:
         """Block keys of ``tokens``: an unedited prefix's, or those of the edited prefix
-        ``origin`` (see :meth:`edited`)."""
-        return block_keys(
-            self._hash_key, self._chain_seed(origin), as_token_array(tokens), self.block_tokens
-        )
-
-    def _chain_seed(self, origin: EditedPrefix | None) -> Fingerprint | EditSeed:
+        ``origin`` (see :meth:`edited` and ``tenantkv.prefix``): the parent's keys for the
+        blocks the edit did not touch, then the edited chain."""
+        token_array = as_token_array(tokens)
+        fingerprint = self.identity.fingerprint
         if origin is None:
-            return self.identity.fingerprint
+            return block_keys(self._hash_key, fingerprint, token_array, self.block_tokens)
+        self._check_origin(origin)
+        shared = origin.shared_blocks * self.block_tokens
+        head = self._keys(token_array[:shared], origin.parent)
+        if len(token_array) <= shared:
+            return head
+        previous: bytes = head[-1] if head else fingerprint
+        seed: Fingerprint | EditSeed = edit_seed(self._hash_key, previous, origin.binding)
+        return head + block_keys(self._hash_key, seed, token_array[shared:], self.block_tokens)
+
+    def _check_origin(self, origin: Any) -> None:
         if not isinstance(origin, EditedPrefix):
             raise InvalidRequestError(
                 f"origin must be an EditedPrefix, got {type(origin).__name__}"
             )
         if origin.namespace_id != self.identity.namespace_id:
             raise InvalidRequestError("this edited prefix belongs to another namespace")
-        return origin.seed
 
     def edited(
         self, parent_tokens: Any, script: EditScript, *, origin: EditedPrefix | None = None
@@ -162,10 +170,11 @@ class Namespace:
         if cut.is_empty:
             return origin
         parent_key = self._keys(token_array, origin)[-1]
-        seed = edit_seed(self._hash_key, parent_key, cut.canonical_bytes())
         return EditedPrefix(
             self.identity.namespace_id,
-            seed,
+            edit_binding(self._hash_key, parent_key, cut.canonical_bytes()),
+            origin,
+            shared_blocks=cut.drops[0][0] // self.block_tokens,
             depth=1 if origin is None else origin.depth + 1,
             dropped_tokens=cut.dropped_tokens() + (0 if origin is None else origin.dropped_tokens),
         )
