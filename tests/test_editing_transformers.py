@@ -162,3 +162,17 @@ def test_rope_comes_from_the_model_config_with_scaling() -> None:
     dynamic = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     with pytest.raises(InvalidRequestError, match="dynamic"):
         rope_for(dynamic)
+
+
+def test_editing_a_cache_the_model_already_extended_is_refused(tenants: TenantKV) -> None:
+    model = _llama()
+    prefixes = PrefixCache(tenants, "acme", model)
+    first = _generate(model, _prompt(140, seed=6))
+    prefixes.save(first.sequences, first.cache)
+    restored = prefixes.restore(first.sequences)
+    assert restored.num_tokens == 128  # control: the prefix is there
+    _generate(model, first.sequences, cache=restored.cache, new=1)
+    with pytest.raises(InvalidRequestError, match="edit it before"):
+        prefixes.edit(restored, first.sequences, EditScript.dropping([(0, 10)]))
+    with pytest.raises(InvalidRequestError, match="EditScript"):
+        prefixes.edit(prefixes.restore(first.sequences), first.sequences, [(0, 10)])  # type: ignore[arg-type]

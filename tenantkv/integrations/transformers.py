@@ -397,6 +397,13 @@ class PrefixCache:
         """
         if not isinstance(restored, RestoredPrefix):
             raise InvalidRequestError("edit takes what restore() returned")
+        if not isinstance(script, EditScript):
+            raise InvalidRequestError(f"script must be an EditScript, got {type(script).__name__}")
+        if restored.cache is not None and restored.cache.get_seq_length() != restored.num_tokens:
+            raise InvalidRequestError(
+                "the restored cache has been run since it was restored; edit it before the model "
+                "uses it"
+            )
         flat = self._flat_tokens(tokens)
         token_tensor = flat if isinstance(flat, torch.Tensor) else torch.tensor(flat)
         token_array = as_token_array(token_tensor)
