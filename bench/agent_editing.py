@@ -206,7 +206,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         axes[1].bar(xs, medians, width, yerr=[lows, highs], capsize=3, label=name)
     labels = ("tokens recomputed per session", "ms per session (median)")
     for ax, label in zip(axes, labels, strict=True):
-        ax.set_xticks(range(len(cases)), [c.replace(" ", "\n") for c in cases], fontsize=7)
+        ticks = [
+            c.replace("deepseek-v3-", "").replace("llama-", "").replace(" ", "\n") for c in cases
+        ]
+        ax.set_xticks(range(len(cases)), ticks, fontsize=7)
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle("agent sessions: keep vs trim+recompute vs drop+repos (tiny models, CPU)")
