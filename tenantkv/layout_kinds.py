@@ -10,7 +10,7 @@ family with another cache shape) is one class registered here.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +19,8 @@ from .errors import InvalidRequestError
 from .tensor_checks import check_dense
 
 Layer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+#: Moves a layer's position-carrying part (``[T, ..., D]``, rotated keys) to new positions.
+KeyMover = Callable[[torch.Tensor], torch.Tensor]
 
 
 class KVLayout(Protocol):
@@ -96,6 +98,13 @@ class LayoutKind(abc.ABC):
     def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
         """The shape of one token's row in an ``out=`` tensor."""
 
+    @abc.abstractmethod
+    def reposition(
+        self, layout: KVLayout, layer: Layer, kept: torch.Tensor, move: KeyMover
+    ) -> Layer:
+        """The rows ``kept`` of ``layer`` (a new layer), with only the part that carries
+        positions passed through ``move``; every other value is copied byte for byte."""
+
     def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
         """An ``out=`` entry as ``[R, token_bytes]`` uint8 rows, when loads decrypt into it."""
         return None
@@ -134,6 +143,16 @@ class LatentKind(LayoutKind):
     def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
         return (layout.values_per_token,)
 
+    def reposition(
+        self, layout: KVLayout, layer: Layer, kept: torch.Tensor, move: KeyMover
+    ) -> Layer:
+        # Only k_pe carries a position; c_KV is position-free and stays as it is.
+        assert isinstance(layer, torch.Tensor), "an MLA layer is one tensor"
+        rows = layer[kept.to(layer.device)]
+        rank = layout.kv_lora_rank
+        rows[:, rank:] = move(rows[:, rank:])
+        return rows
+
     def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
         tensor = check(what, entry)
         return tensor, [tensor]
@@ -171,6 +190,14 @@ class KeyValueKind(LayoutKind):
 
     def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
         return (layout.num_kv_heads, layout.head_dim)
+
+    def reposition(
+        self, layout: KVLayout, layer: Layer, kept: torch.Tensor, move: KeyMover
+    ) -> Layer:
+        # K carries the rotation; V never does.
+        k, v = _pair("layer", layer)
+        index = kept.to(k.device)
+        return move(k[index]), v[index]
 
     def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
         k, v = _pair(what, entry)

@@ -12,6 +12,22 @@ little-endian uint32. Chaining makes a block's key depend on every token before 
 match is a prefix match; keying makes keys unpredictable to anyone without the namespace key, so a
 tenant can neither plant a collision (vLLM CVE-2025-25183) nor link keys across namespaces, and the
 index holds nothing from which tokens could be recovered. Only full blocks get keys.
+
+Edited prefixes (``tenantkv.editing``: tokens dropped, the rest repositioned) share the parent's
+blocks up to the first block an edit touches (``n`` blocks: same tokens, same positions, same
+bytes), then chain from a seed of their own::
+
+    binding = H_edit(parent_key || edit script)
+    k_i     = parent chain's k_i                          for i < n
+    k_n     = H_ns(H_chain(k_{n-1} || binding) || tokens[64n : 64n + 64])   (k_{-1}: fingerprint)
+    k_i     = H_ns(k_{i-1} || tokens[64i : 64i + 64])   for i > n
+
+``H_edit`` and ``H_chain`` are BLAKE2b keyed the same with other personalisations.
+``parent_key`` is the key of the parent prefix's last block, so an edited prefix's keys depend on
+every parent token and on the script, never collide with an unedited prefix's, and are as
+unpredictable across namespaces. The seed of block ``n`` also hashes ``k_{n-1}`` as computed from
+the caller's tokens, so a key match is still a prefix match: other tokens in the shared blocks
+give other keys after them.
 """
 
 from __future__ import annotations
@@ -36,7 +52,12 @@ BlockKey = NewType("BlockKey", bytes)
 Fingerprint = NewType("Fingerprint", bytes)
 """SHA-256 of the model identity and KV layout of a namespace (32 bytes)."""
 
+EditSeed = NewType("EditSeed", bytes)
+"""Where an edited prefix's key chain starts (32 bytes; see the module docstring)."""
+
 _PERSON = b"tenantkv-pfx-v1"  # BLAKE2b personalisation: domain separation from other uses
+_EDIT_PERSON = b"tenantkv-edit-v1"
+_CHAIN_PERSON = b"tenantkv-ech-v1"
 
 
 def model_fingerprint(model: str, revision: str | None, layout: dict[str, Any]) -> Fingerprint:
@@ -67,11 +88,12 @@ def full_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
 
 def block_keys(
     namespace_key: bytes,
-    fingerprint: Fingerprint,
+    fingerprint: Fingerprint | EditSeed,
     tokens: TokenArray,
     block_tokens: int = BLOCK_TOKENS,
 ) -> list[BlockKey]:
-    """The chained keys of every full block of ``tokens``."""
+    """The chained keys of every full block of ``tokens``, chained from the namespace's
+    ``fingerprint`` (or from an edited prefix's seed)."""
     data = tokens.astype("<u4", copy=False).tobytes()
     step = block_tokens * 4
     keys: list[BlockKey] = []
@@ -84,3 +106,23 @@ def block_keys(
         previous = digest.digest()
         keys.append(BlockKey(previous))
     return keys
+
+
+def edit_binding(namespace_key: bytes, parent_key: BlockKey, script: bytes) -> bytes:
+    """What identifies the edit ``script`` (its canonical bytes) of the prefix whose last block
+    key is ``parent_key`` (32 bytes, keyed)."""
+    digest = hashlib.blake2b(
+        parent_key, key=namespace_key, digest_size=BLOCK_KEY_BYTES, person=_EDIT_PERSON
+    )
+    digest.update(script)
+    return digest.digest()
+
+
+def edit_seed(namespace_key: bytes, previous: bytes, binding: bytes) -> EditSeed:
+    """Where an edited prefix's own chain starts: after the shared block whose key is
+    ``previous`` (the fingerprint when no block is shared), for the edit ``binding``."""
+    digest = hashlib.blake2b(
+        previous, key=namespace_key, digest_size=BLOCK_KEY_BYTES, person=_CHAIN_PERSON
+    )
+    digest.update(binding)
+    return EditSeed(digest.digest())

@@ -30,7 +30,7 @@ def demo_run(
 
 def test_every_check_of_the_demo_holds(demo_run: tuple[DemoReport, str, Path]) -> None:
     report, text, _ = demo_run
-    assert len(report.checks) == 8
+    assert len(report.checks) == 10
     assert report.passed, text
     assert "demo passed" in text
     assert "[FAILED]" not in text
@@ -71,6 +71,14 @@ def test_the_printed_numbers_are_the_measured_ones(demo_run: tuple[DemoReport, s
     assert acme["served_tokens"] == second.restored_tokens
     assert acme["cost_units"] == acme["miss_tokens"] + second.restored_tokens / 50
     assert report.usage["globex"]["hit_tokens"] == 0
+
+    agent = report.agent
+    assert agent is not None
+    assert agent.edit_context == agent.trim_context == agent.history_tokens - agent.dropped_tokens
+    # The old tool outputs all lie in the cached part: drop+repos computes what keeping does.
+    assert agent.edit_computed == agent.keep_computed < agent.trim_computed
+    row = next(line for line in text.splitlines() if "drop+repos the cache" in line)
+    assert f"{agent.edit_computed:,}" in row and f"{agent.edit_context:,}" in row
 
     assert report.scan is not None
     assert report.scan.files >= 3 and report.scan.bytes_scanned > 0

@@ -92,3 +92,20 @@ def second_turn(size: int) -> list[Message]:
 
 def tokens_of(messages: list[Message]) -> list[int]:
     return [token for message in messages for token in message.tokens]
+
+
+def third_turn(size: int) -> list[Message]:
+    """The agent reruns the tests after its fix: a tool call and a short tool output."""
+    return [
+        Message("assistant", "Calling run_tests('tests/test_parser.py')."),
+        Message("tool", f"$ pytest -q tests/test_parser.py\n{size} passed in 0.40s"),
+    ]
+
+
+#: The demo's message roles as the edit policies name transcript segments.
+SEGMENT_ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool_output",
+}

@@ -21,9 +21,11 @@ import torch
 from .. import __version__
 from .. import open as open_cache
 from ..audit import verify_export
+from ..editing import DropOldToolOutputs
 from ..integrations.transformers import PrefixCache, RestoredPrefix
 from ..prefix import BLOCK_TOKENS
-from .conversation import Message, first_turn, second_turn, tokens_of
+from .agent import AgentTurnResult, agent_turn
+from .conversation import Message, first_turn, second_turn, third_turn, tokens_of
 from .model import FAST, FULL, Generation, build_model, greedy
 from .terminal import ProgressBar, table
 
@@ -77,6 +79,7 @@ class DemoReport:
     audit_ok: bool = False
     tampered_ok: bool = True
     tampered_problems: int = 0
+    agent: AgentTurnResult | None = None
     checks: list[tuple[str, bool]] = field(default_factory=list)
 
     @property
@@ -326,7 +329,50 @@ def run_demo(root: Path, *, fast: bool = False, new_tokens: int = 16, out: TextI
         )
         print("    (metering: a token served from cache costs 1/50 of a computed one)", file=out)
 
-        print("\n5. at rest", file=out)
+        print("\n5. acme, turn 3 with the drop-old-tool-outputs policy on", file=out)
+        turn3 = third_turn(conversation_size)
+        _print_messages(turn3, out)
+        parts = [(m.role, m.tokens) for m in turn1]
+        parts += [("assistant", first.generated)]
+        parts += [(m.role, m.tokens) for m in turn2]
+        parts += [("assistant", second.generated)]
+        parts += [(m.role, m.tokens) for m in turn3]
+        agent = agent_turn(acme, parts, DropOldToolOutputs(keep_turns=1), new_tokens, out)
+        report.agent = agent
+        print(
+            table(
+                ["strategy", "context", "computed", "TTFT"],
+                [
+                    [
+                        "keep everything",
+                        f"{agent.history_tokens:,}",
+                        f"{agent.keep_computed:,}",
+                        "-",
+                    ],
+                    [
+                        "trim the text",
+                        f"{agent.trim_context:,}",
+                        f"{agent.trim_computed:,}",
+                        _ms(agent.trim_ttft_s),
+                    ],
+                    [
+                        "drop+repos the cache",
+                        f"{agent.edit_context:,}",
+                        f"{agent.edit_computed:,}",
+                        _ms(agent.edit_ttft_s),
+                    ],
+                ],
+            ),
+            file=out,
+        )
+        print(
+            f"    drop+repos sealed {agent.edit_saved:,} tokens of new blocks on the edited "
+            "prefix's own key chain (blocks before the first cut are shared with the parent);\n"
+            f"    the next turn restores {agent.next_hit:,} tokens of the edited conversation",
+            file=out,
+        )
+
+        print("\n6. at rest", file=out)
         layer0 = first_kv_row(acme, prompt1, model)
         needles = {
             "tool output text": turn1[-1].text.encode("utf-8")[100:164],
@@ -348,7 +394,7 @@ def run_demo(root: Path, *, fast: bool = False, new_tokens: int = 16, out: TextI
             file=out,
         )
 
-        print("\n6. audit", file=out)
+        print("\n7. audit", file=out)
         _audit(kv, root, report, out)
 
     report.checks = [
@@ -369,6 +415,14 @@ def run_demo(root: Path, *, fast: bool = False, new_tokens: int = 16, out: TextI
         (
             "no plaintext on disk (and the scan finds a planted copy)",
             not scan.found and len(scan.control_found) == len(needles),
+        ),
+        (
+            "turn 3: drop+repos computes fewer tokens than trimming, for the same context",
+            agent.edit_context == agent.trim_context and agent.edit_computed < agent.trim_computed,
+        ),
+        (
+            "turn 4 restores the edited prefix",
+            agent.next_hit == agent.next_expected > 0,
         ),
         ("acme's audit export verifies offline", report.audit_ok),
         ("a tampered export fails verification", not report.tampered_ok),

@@ -26,6 +26,12 @@ architecture, checkpoint revision or dtype. Weights are not hashed: two local ch
 the same name and configuration but different weights (a fine-tune saved under the same name)
 must be told apart with ``revision=``.
 
+Editing (agents). :meth:`PrefixCache.edit` drops token spans from a restored cache and moves
+the retained keys to contiguous positions (:mod:`tenantkv.editing`); the model then computes the
+rest of the edited token sequence on top of it, and :meth:`PrefixCache.save` with the edit's
+``origin`` stores the edited conversation on its own key chain, which later turns restore with
+the same ``origin``. The RoPE frequencies are the model's own (:func:`rope_for`).
+
 Only batch size 1 is handled: a prefix cache belongs to one request's tokens.
 """
 
@@ -49,6 +55,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from ..api import TenantKV
+from ..editing import EditedPrefix, EditScript, RopeSpec, edit_layer
 from ..errors import CacheMissError, InvalidRequestError, LoadError
 from ..layout import KVLayout, Layer
 from ..retention import DEFAULT_KIND
@@ -146,6 +153,44 @@ def layout_for(model: PreTrainedModel) -> KVLayout:
     return KVLayout.mha(num_layers, int(heads), int(head_dim), dtype)
 
 
+# RoPE types whose frequencies depend on the sequence length: a cached key cannot be moved by
+# one rotation, since the frequencies it was rotated with change as the sequence grows.
+_DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
+
+
+def rope_for(model: PreTrainedModel) -> RopeSpec:
+    """The RoPE of ``model``'s cached keys: the frequencies its rotary embedding was built with
+    from its configuration (base, rotary dimensions, and any static scaling such as linear,
+    YaRN or Llama 3), in the half-split pair layout.
+
+    Half-split for every transformers model, DeepSeek-V3 included: its interleaved rotation
+    (``rope_interleave``) reads interleaved pairs but writes the rotated ``k_rot`` it caches
+    de-interleaved. Refuses length-dependent scalings (dynamic NTK, LongRoPE).
+    """
+    _decoder_config(model)
+    rotary = next(
+        (
+            module
+            for module in model.modules()
+            if isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+        ),
+        None,
+    )
+    if rotary is None:
+        raise InvalidRequestError(f"{type(model).__name__} has no rotary embedding to shift")
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if rope_type in _DYNAMIC_ROPE_TYPES:
+        raise InvalidRequestError(
+            f"{rope_type} RoPE changes its frequencies with the sequence length; cached keys "
+            "cannot be repositioned exactly"
+        )
+    # inv_freq as built from the config (a dynamic update may have replaced the buffer since)
+    frequencies = getattr(rotary, "original_inv_freq", None)
+    if not isinstance(frequencies, torch.Tensor):
+        frequencies = getattr(rotary, "inv_freq")  # noqa: B009 - nn.Module attributes are Any
+    return RopeSpec.from_frequencies(frequencies.detach().to("cpu", torch.float32))
+
+
 @dataclass(frozen=True)
 class RestoredPrefix:
     """What :meth:`PrefixCache.restore` found: ``num_tokens`` cached tokens in ``cache``.
@@ -157,10 +202,24 @@ class RestoredPrefix:
 
     cache: DynamicCache | None
     num_tokens: int
+    #: The edited prefix this cache belongs to (None: an unedited prefix).
+    origin: EditedPrefix | None = None
 
     @property
     def hit(self) -> bool:
         return self.num_tokens > 0
+
+
+@dataclass(frozen=True)
+class EditedRestore:
+    """What :meth:`PrefixCache.edit` made: ``cache`` holds the first ``num_tokens`` tokens of
+    ``tokens`` (the edited token sequence, ``[1, T]``). Pass both to the model; save the result
+    with ``origin=origin``, and restore later turns with it."""
+
+    cache: DynamicCache | None
+    num_tokens: int
+    tokens: torch.Tensor
+    origin: EditedPrefix | None
 
 
 class PrefixCache:
@@ -182,19 +241,36 @@ class PrefixCache:
             tenant, model=name, revision=label, layout=self.layout, scope=scope
         )
         self._strict = kv.config.strict
+        self._rope: RopeSpec | None = None
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The model's RoPE (:func:`rope_for`), found on first use: a model whose RoPE cannot
+        be shifted still saves and restores, it only cannot be edited."""
+        if self._rope is None:
+            self._rope = rope_for(self.model)
+        return self._rope
 
     def __repr__(self) -> str:
         return f"PrefixCache({self.namespace!r})"
 
     # ---- save ---------------------------------------------------------------------------------
 
-    def save(self, tokens: Any, cache: Cache, *, kind: str = DEFAULT_KIND) -> int:
+    def save(
+        self,
+        tokens: Any,
+        cache: Cache,
+        *,
+        kind: str = DEFAULT_KIND,
+        origin: EditedPrefix | None = None,
+    ) -> int:
         """Store the full 64-token blocks of ``tokens`` that ``cache`` holds and are new.
 
         ``tokens`` are the request's token ids (a list, a 1-D tensor, or a ``[1, T]`` tensor such
         as ``generate``'s output sequences), of which ``cache`` holds the first
         ``cache.get_seq_length()``. Returns the number of tokens newly stored (see
-        :meth:`tenantkv.Namespace.store`: storage failures degrade to 0 unless strict).
+        :meth:`tenantkv.Namespace.store`: storage failures degrade to 0 unless strict). After
+        :meth:`edit`, ``tokens`` are the edited sequence's and ``origin`` the edit's.
         """
         token_array = as_token_array(self._flat_tokens(tokens))
         layers = self._cache_layers(cache)
@@ -205,11 +281,13 @@ class PrefixCache:
             return 0
         # Copy (and move off the device) only the tokens after the already cached prefix: a
         # long conversation's next turn then costs its new tokens, not the whole prefix.
-        start = self.namespace.cached_length(token_array[:usable])
+        start = self.namespace.cached_length(token_array[:usable], origin=origin)
         if start == usable:
             return 0
         rows = [self._layer_from_cache(keys, values, start, usable) for keys, values in layers]
-        return self.namespace.store(token_array[:usable], rows, kind=kind, start=start)
+        return self.namespace.store(
+            token_array[:usable], rows, kind=kind, start=start, origin=origin
+        )
 
     def _cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not isinstance(cache, Cache):
@@ -243,10 +321,12 @@ class PrefixCache:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Any) -> int:
+    def lookup(self, tokens: Any, *, origin: EditedPrefix | None = None) -> int:
         """How many leading tokens of ``tokens`` :meth:`restore` would restore now."""
         token_array = as_token_array(self._flat_tokens(tokens))
-        return self.namespace.lookup(token_array[: self._restorable(len(token_array))])
+        return self.namespace.lookup(
+            token_array[: self._restorable(len(token_array))], origin=origin
+        )
 
     def _restorable(self, num_tokens: int) -> int:
         """The longest restorable prefix: whole blocks, leaving at least one token to compute
@@ -260,6 +340,7 @@ class PrefixCache:
         *,
         device: str | torch.device | None = None,
         streaming: bool = False,
+        origin: EditedPrefix | None = None,
     ) -> RestoredPrefix:
         """Restore the longest cached prefix of ``tokens`` as a cache the model accepts.
 
@@ -274,18 +355,24 @@ class PrefixCache:
         layer i computes while layers i+1, ... are still being read and decrypted (see
         :mod:`tenantkv.integrations.streamed_layer`). A failure after the start then surfaces
         as a ``LoadError`` from the forward pass, and the caller recomputes without the cache.
+
+        With ``origin`` (from :meth:`edit`), ``tokens`` is an edited conversation and its
+        edited prefix is restored; a miss is then returned with ``origin`` kept, so that the
+        caller can still edit or save on that chain.
         """
         token_array = as_token_array(self._flat_tokens(tokens))
-        length = self.namespace.lookup(token_array[: self._restorable(len(token_array))])
+        length = self.namespace.lookup(
+            token_array[: self._restorable(len(token_array))], origin=origin
+        )
         if length == 0:
-            return RestoredPrefix(None, 0)
+            return RestoredPrefix(None, 0, origin)
         target = torch.device(device) if device is not None else self.model.device
         try:
-            stream = self.namespace.load(token_array[:length], device=target)
+            stream = self.namespace.load(token_array[:length], device=target, origin=origin)
             if streaming:
                 feed = LayerFeed(stream, self._cache_from_layer)
                 cache = streamed_cache(self.model.config, feed, self.layout.num_layers)
-                return RestoredPrefix(cache, length)
+                return RestoredPrefix(cache, length, origin)
             cache = DynamicCache(config=self.model.config)
             with stream:
                 for index, layer in stream:
@@ -295,8 +382,57 @@ class PrefixCache:
             if self._strict:
                 raise
             logger.warning("restore of a %d-token prefix degraded to a miss: %s", length, err)
-            return RestoredPrefix(None, 0)
-        return RestoredPrefix(cache, length)
+            return RestoredPrefix(None, 0, origin)
+        return RestoredPrefix(cache, length, origin)
+
+    # ---- edit ---------------------------------------------------------------------------------
+
+    def edit(self, restored: RestoredPrefix, tokens: Any, script: EditScript) -> EditedRestore:
+        """Apply ``script`` (spans of ``tokens``) to a restored prefix of ``tokens``.
+
+        The restored cache loses the dropped tokens it holds and its retained keys move to
+        contiguous positions; dropped tokens after it are simply left out of the returned
+        token sequence. The restored cache is not changed. The result's ``origin`` addresses
+        the edited prefix (the restored prefix's own when nothing cached was dropped).
+        """
+        if not isinstance(restored, RestoredPrefix):
+            raise InvalidRequestError("edit takes what restore() returned")
+        if not isinstance(script, EditScript):
+            raise InvalidRequestError(f"script must be an EditScript, got {type(script).__name__}")
+        if restored.cache is not None and restored.cache.get_seq_length() != restored.num_tokens:
+            raise InvalidRequestError(
+                "the restored cache has been run since it was restored; edit it before the model "
+                "uses it"
+            )
+        flat = self._flat_tokens(tokens)
+        token_tensor = flat if isinstance(flat, torch.Tensor) else torch.tensor(flat)
+        token_array = as_token_array(token_tensor)
+        if restored.num_tokens > len(token_array):
+            raise InvalidRequestError("the restored prefix is longer than the tokens")
+        edited_tokens = script.apply_to_tokens(token_tensor)[None]
+        if restored.cache is None or restored.num_tokens == 0:
+            return EditedRestore(None, 0, edited_tokens, restored.origin)
+        length = restored.num_tokens
+        origin = self.namespace.edited(token_array[:length], script, origin=restored.origin)
+        cache = self.edit_cache(restored.cache, script)
+        kept = length - script.dropped_tokens(length)
+        return EditedRestore(cache, kept, edited_tokens, origin)
+
+    def edit_cache(self, cache: Cache, script: EditScript) -> DynamicCache:
+        """A new cache: ``cache`` (all ``cache.get_seq_length()`` tokens) after ``script``.
+
+        The in-memory edit, as :meth:`edit` applies it to a restored cache (spans beyond the
+        cache's tokens are ignored).
+        """
+        length = cache.get_seq_length()
+        rope = self.rope
+        edited = DynamicCache(config=self.model.config)
+        for index, (keys, values) in enumerate(self._cache_layers(cache)):
+            layer = _FROM_HF_CACHE[self.layout.kind](keys, values, 0, length)
+            moved = edit_layer(self.layout, layer, length, script, rope)
+            new_keys, new_values = _TO_HF_CACHE[self.layout.kind](self.layout, moved)
+            edited.update(new_keys, new_values, index)
+        return edited
 
     def _cache_from_layer(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
         """A loaded layer as the model's cache update takes it (views; no copy here)."""

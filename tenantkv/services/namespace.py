@@ -24,6 +24,8 @@ from ..audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
 from ..buffers import thread_buffer
 from ..context import CacheContext
 from ..crypto import CipherSuite, ExtentCipher, SegmentContext, new_salt
+from ..editing.lineage import EditedPrefix
+from ..editing.script import EditScript
 from ..errors import (
     CacheMissError,
     CacheUnavailableError,
@@ -49,8 +51,11 @@ from ..prefix import (
     BLOCK_TOKENS_STEP,
     MAX_BLOCK_TOKENS,
     BlockKey,
+    EditSeed,
     Fingerprint,
     block_keys,
+    edit_binding,
+    edit_seed,
     layout_identity,
     model_fingerprint,
 )
@@ -116,9 +121,62 @@ class Namespace:
 
     # ---- keys and index queries ---------------------------------------------------------------
 
-    def _keys(self, tokens: Any) -> list[BlockKey]:
-        return block_keys(
-            self._hash_key, self.identity.fingerprint, as_token_array(tokens), self.block_tokens
+    def _keys(self, tokens: Any, origin: EditedPrefix | None = None) -> list[BlockKey]:
+        """Block keys of ``tokens``: an unedited prefix's, or those of the edited prefix
+        ``origin`` (see :meth:`edited` and ``tenantkv.prefix``): the parent's keys for the
+        blocks the edit did not touch, then the edited chain."""
+        token_array = as_token_array(tokens)
+        fingerprint = self.identity.fingerprint
+        if origin is None:
+            return block_keys(self._hash_key, fingerprint, token_array, self.block_tokens)
+        self._check_origin(origin)
+        shared = origin.shared_blocks * self.block_tokens
+        head = self._keys(token_array[:shared], origin.parent)
+        if len(token_array) <= shared:
+            return head
+        previous: bytes = head[-1] if head else fingerprint
+        seed: Fingerprint | EditSeed = edit_seed(self._hash_key, previous, origin.binding)
+        return head + block_keys(self._hash_key, seed, token_array[shared:], self.block_tokens)
+
+    def _check_origin(self, origin: Any) -> None:
+        if not isinstance(origin, EditedPrefix):
+            raise InvalidRequestError(
+                f"origin must be an EditedPrefix, got {type(origin).__name__}"
+            )
+        if origin.namespace_id != self.identity.namespace_id:
+            raise InvalidRequestError("this edited prefix belongs to another namespace")
+
+    def edited(
+        self, parent_tokens: Any, script: EditScript, *, origin: EditedPrefix | None = None
+    ) -> EditedPrefix | None:
+        """Where the prefix made by ``script`` from the cached prefix ``parent_tokens`` (whole
+        blocks; itself the edited prefix ``origin`` when given) lives.
+
+        The result is passed as ``origin=`` to :meth:`lookup`, :meth:`store` and :meth:`load`
+        together with the edited token sequence (the retained tokens, then any later ones).
+        When ``script`` drops nothing from ``parent_tokens`` the parent's cache is unchanged and
+        its own ``origin`` (None for an unedited prefix) is returned: the edited sequence is then
+        an ordinary extension of the parent. Pure key derivation: nothing is read or written.
+        """
+        if not isinstance(script, EditScript):
+            raise InvalidRequestError(f"script must be an EditScript, got {type(script).__name__}")
+        token_array = as_token_array(parent_tokens)
+        if len(token_array) == 0 or len(token_array) % self.block_tokens:
+            raise InvalidRequestError(
+                f"an edit applies to a cached prefix of whole {self.block_tokens}-token blocks, "
+                f"got {len(token_array)} tokens"
+            )
+        cut = script.within(len(token_array))
+        if cut.is_empty:
+            return origin
+        parent_key = self._keys(token_array, origin)[-1]
+        return EditedPrefix(
+            self.identity.namespace_id,
+            edit_binding(self._hash_key, parent_key, cut.canonical_bytes()),
+            origin,
+            shared_blocks=cut.drops[0][0] // self.block_tokens,
+            depth=1 if origin is None else origin.depth + 1,
+            dropped_tokens=cut.dropped_tokens() + (0 if origin is None else origin.dropped_tokens),
         )
 
     def _present_keys(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> set[bytes]:
@@ -143,15 +201,16 @@ class Namespace:
 
     # ---- lookup -------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Any) -> int:
-        """Length of the longest cached prefix of ``tokens`` (whole blocks; 0 on a miss).
+    def lookup(self, tokens: Any, *, origin: EditedPrefix | None = None) -> int:
+        """Length of the longest cached prefix of ``tokens`` (whole blocks; 0 on a miss); of
+        the edited prefix ``origin`` when given (see :meth:`edited`).
 
         Index failures degrade to 0 (logged, counted, not metered) unless the cache was opened
         with ``strict=True``.
         """
         self._ctx.runtime.check_open()
         token_array = as_token_array(tokens)
-        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array, self.block_tokens)
+        keys = self._keys(token_array, origin)
         hit = 0
         if keys:
             try:
@@ -164,11 +223,11 @@ class Namespace:
         self._ctx.metrics.looked_up(self.tenant, hit, len(token_array) - hit)
         return hit
 
-    def cached_length(self, tokens: Any) -> int:
+    def cached_length(self, tokens: Any, *, origin: EditedPrefix | None = None) -> int:
         """Like :meth:`lookup`, but not metered: for a writer deciding what to pass to
         :meth:`store` (``start=``), not for answering requests. Failures degrade to 0."""
         self._ctx.runtime.check_open()
-        keys = self._keys(tokens)
+        keys = self._keys(tokens, origin)
         if not keys:
             return 0
         try:
@@ -180,7 +239,13 @@ class Namespace:
     # ---- store --------------------------------------------------------------------------------
 
     def store(
-        self, tokens: Any, layers: Sequence[Any], *, kind: str = DEFAULT_KIND, start: int = 0
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        *,
+        kind: str = DEFAULT_KIND,
+        start: int = 0,
+        origin: EditedPrefix | None = None,
     ) -> int:
         """Store the full blocks (64 tokens unless the namespace chose another size) of
         ``tokens`` that are not cached yet.
@@ -196,7 +261,8 @@ class Namespace:
         stored. Input is validated before anything is written; a storage or index failure
         stores nothing (and returns 0 unless strict). A store that would exceed the tenant's
         quota first evicts the tenant's least recently used extents; one that cannot fit
-        raises QuotaExceededError.
+        raises QuotaExceededError. With ``origin`` (see :meth:`edited`) ``tokens`` is an edited
+        prefix's token sequence, keyed on that edited prefix's chain.
         """
         self._ctx.runtime.check_open()
         token_array = as_token_array(tokens)
@@ -212,7 +278,7 @@ class Namespace:
             )
         rows = self.layout.validate_layers(layers, len(token_array) - start)
         check_kind(kind)
-        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array, self.block_tokens)
+        keys = self._keys(token_array, origin)
         try:
             settings = self._tenant_settings()
             if kind not in settings[3]:
@@ -433,6 +499,7 @@ class Namespace:
         *,
         out: Sequence[Any] | None = None,
         block_rows: Sequence[int] | None = None,
+        origin: EditedPrefix | None = None,
     ) -> LoadStream:
         """Stream the cached prefix ``tokens`` (whole blocks, all cached) layer by layer.
 
@@ -444,6 +511,8 @@ class Namespace:
         those same buffers: rows ``0 .. len(tokens) - 1``, or, with ``block_rows``, rows
         ``block_rows[b] .. block_rows[b] + 63`` for block ``b`` (paged KV). Rows outside the loaded
         ones are left untouched.
+
+        With ``origin``, ``tokens`` is the edited prefix ``origin``'s (see :meth:`edited`).
 
         Raises :class:`CacheMissError` when any block is not cached, :class:`InvalidRequestError`
         for bad arguments, and :class:`SegmentIntegrityError` when an extent is found damaged
@@ -459,7 +528,7 @@ class Namespace:
                 f"{len(token_array)} tokens); "
                 "use lookup() to find the cached length"
             )
-        keys = block_keys(self._hash_key, self.identity.fingerprint, token_array, self.block_tokens)
+        keys = self._keys(token_array, origin)
         target = LoadTarget(
             self.layout,
             target_device,
@@ -527,7 +596,7 @@ class Namespace:
         self._ctx.runtime.track_stream(stream)
         return stream
 
-    def prefetch(self, tokens: Any) -> int:
+    def prefetch(self, tokens: Any, *, origin: EditedPrefix | None = None) -> int:
         """Start reading the longest cached prefix of ``tokens`` into memory; return its length.
 
         Asks the block store to read the prefix's byte ranges ahead (the OS page cache for the
@@ -536,7 +605,7 @@ class Namespace:
         load costs only the read. Failures degrade to 0.
         """
         self._ctx.runtime.check_open()
-        keys = self._keys(tokens)
+        keys = self._keys(tokens, origin)
         try:
             present = self._present_keys(keys, stop_at_gap=True)
             cached = self._run_from_zero(keys, present)
