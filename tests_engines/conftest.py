@@ -51,14 +51,56 @@ def write_tiny_llama(directory: Path, *, seed: int = 0) -> Path:
     return directory
 
 
+def write_tiny_deepseek(directory: Path, *, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer DeepSeek-V2 (MLA: kv_lora_rank 512, rope 64; dense MLPs).
+
+    vLLM's CPU build runs it with its CPU_MLA backend, which forces 16-token blocks."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        max_position_embeddings=1024,
+        torch_dtype="float32",
+    )
+    DeepseekV2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
-def gateway() -> AssertionSigner:
-    return AssertionSigner(Ed25519PrivateKey.generate())
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"))
+
+
+@pytest.fixture(scope="session")
+def gateway_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+@pytest.fixture(scope="session")
+def gateway(gateway_key: Ed25519PrivateKey) -> AssertionSigner:
+    return AssertionSigner(gateway_key)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,11 @@ from ..layout import KVLayout, Layer
 
 
 def typed_view(kv_layer: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """``kv_layer`` as the layout's dtype (engines may hand a byte view of the same memory)."""
+    """``kv_layer`` as a ``[B, H, N, C]`` view of the layout's dtype: engines may hand a byte
+    view of the same memory, and MLA pages without the head axis (vLLM's CPU MLA backend:
+    ``[B, N, C]``)."""
+    if layout.kind == "mla" and kv_layer.dim() == 3:
+        kv_layer = kv_layer.unsqueeze(1)
     if kv_layer.dtype == layout.dtype:
         return kv_layer
     if kv_layer.dtype in (torch.uint8, torch.int8):
