@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import tenantkv
