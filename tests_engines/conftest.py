@@ -112,6 +112,6 @@ def gateway_pem(gateway: AssertionSigner) -> str:
 def no_leftover_caches() -> Iterator[None]:
     """Close the connector's process-wide caches after a test (they are keyed by root)."""
     yield
-    from tenantkv.integrations.vllm import settings
+    from tenantkv.integrations.engine_cache import close_caches
 
-    settings._close_caches()
+    close_caches()

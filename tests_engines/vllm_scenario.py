@@ -99,9 +99,9 @@ def main() -> None:
         results.append(run_request(llm, request, int(spec.get("max_tokens", 4))))
     report: dict[str, Any] = {"results": results}
     if spec["connector"] == "tenantkv":
-        from tenantkv.integrations.vllm import settings
+        from tenantkv.integrations.engine_cache import open_caches
 
-        (kv,) = settings._caches.values()
+        (kv,) = open_caches()
         report["security_events"] = kv.security_events()
         report["usage"] = {t.name: dict(kv.usage(t.name).counters) for t in kv.list_tenants()}
     print("SCENARIO " + json.dumps(report), flush=True)

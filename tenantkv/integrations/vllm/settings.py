@@ -13,28 +13,23 @@ Extra config keys:
   forward pass (``False``, the default).
 
 The scheduler and the worker side each build a connector; in one process they share one open
-cache per root (``shared_cache``), closed when the process exits.
+cache per root (``tenantkv.integrations.engine_cache``), closed when the process exits.
 """
 
 from __future__ import annotations
 
-import atexit
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...api import TenantKV
-from ...api import open as open_cache
 from ...errors import InvalidRequestError
 from ...layout import KVLayout
 from ...tenant_assertion import DEFAULT_MAX_LIFETIME, AssertionVerifier
-
-_caches: dict[str, TenantKV] = {}
-_caches_lock = threading.Lock()
+from ..engine_cache import read_pems
+from ..engine_cache import shared_cache as _shared_cache
 
 
 @dataclass(frozen=True)
@@ -53,16 +48,10 @@ class ConnectorSettings:
         root = extra.get("root")
         if not isinstance(root, str) or not root:
             raise InvalidRequestError("kv_connector_extra_config needs 'root' (the cache root)")
-        keys = extra.get("gateway_public_keys")
-        if isinstance(keys, str) or not keys:
-            raise InvalidRequestError(
-                "kv_connector_extra_config needs 'gateway_public_keys' (a list of PEM texts or "
-                "paths): without them no request could prove its tenant"
-            )
         return cls(
             root=root,
             open_options=dict(extra.get("open_options") or {}),
-            gateway_public_keys=tuple(_read_pem(key) for key in keys),
+            gateway_public_keys=read_pems(extra.get("gateway_public_keys")),
             audience=extra.get("audience"),
             max_assertion_lifetime=float(extra.get("max_assertion_lifetime", DEFAULT_MAX_LIFETIME)),
             model=str(extra.get("model") or default_model),
@@ -78,32 +67,9 @@ class ConnectorSettings:
         )
 
 
-def _read_pem(key: Any) -> bytes:
-    if isinstance(key, bytes):
-        return key
-    if isinstance(key, str) and "-----BEGIN" in key:
-        return key.encode("ascii")
-    if isinstance(key, str):
-        return Path(key).read_bytes()
-    raise InvalidRequestError("gateway_public_keys holds PEM texts or paths")
-
-
 def shared_cache(settings: ConnectorSettings) -> TenantKV:
-    """One open cache per root in this process (the scheduler and worker sides share it)."""
-    with _caches_lock:
-        kv = _caches.get(settings.root)
-        if kv is None or kv.context.runtime.closed:
-            kv = open_cache(settings.root, **settings.open_options)
-            _caches[settings.root] = kv
-        return kv
-
-
-@atexit.register
-def _close_caches() -> None:
-    with _caches_lock:
-        for kv in _caches.values():
-            kv.close()
-        _caches.clear()
+    """The process's cache for this root (the scheduler and worker sides share it)."""
+    return _shared_cache(settings.root, settings.open_options)
 
 
 def layout_of(kv_cache_config: Any, hf_config: Any) -> tuple[KVLayout, list[str], int]:
