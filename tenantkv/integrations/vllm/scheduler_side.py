@@ -63,9 +63,12 @@ class SchedulerSide:
         tracked = self._track(request)
         if tracked.namespace is None or len(tracked.prompt) < 2:
             return 0, False
+        # Look the prompt's full blocks up (so a later save knows what is cached), but never
+        # report the block holding the last prompt token: vLLM must compute at least one.
+        full = len(tracked.prompt) // self._block * self._block
         usable = (len(tracked.prompt) - 1) // self._block * self._block
-        tracked.cached = tracked.namespace.cached_length(list(tracked.prompt[:usable]))
-        new = tracked.cached - num_computed_tokens
+        tracked.cached = tracked.namespace.cached_length(list(tracked.prompt[:full]))
+        new = min(tracked.cached, usable) - num_computed_tokens
         if new <= 0:
             return 0, False
         return new, self._async
@@ -79,7 +82,8 @@ class SchedulerSide:
         end = request.num_computed_tokens + num_external_tokens
         if self._async:
             # an async load's request is not scheduled yet: num_computed_tokens is the local hit
-            end = max(end, tracked.cached)
+            usable = (len(tracked.prompt) - 1) // self._block * self._block
+            end = max(end, min(tracked.cached, usable))
         first = (end - num_external_tokens) // self._block
         last = end // self._block
         tracked.external_tokens = num_external_tokens
