@@ -219,13 +219,14 @@ def main() -> None:
         def med(engine: str, kind: str, n: int = n) -> float:
             return statistics.median(results[engine][str(n)][kind])
 
-        print(
-            f"  {n:>5} tok: tenantkv hit/miss {med('tenantkv', 'hit') / med('tenantkv', 'miss'):.2f}"
-            f"  example hit/miss {med('example', 'hit') / med('example', 'miss'):.2f}"
-            f"  tenantkv hit / example hit {med('tenantkv', 'hit') / med('example', 'hit'):.2f}"
-            f"  tenantkv hit / no-connector prefill {med('tenantkv', 'hit') / med('none', 'miss'):.2f}"
-            f"  tenantkv miss / no-connector {med('tenantkv', 'miss') / med('none', 'miss'):.2f}"
-        )
+        ratios = {
+            "tenantkv hit/miss": med("tenantkv", "hit") / med("tenantkv", "miss"),
+            "example hit/miss": med("example", "hit") / med("example", "miss"),
+            "tenantkv hit / example hit": med("tenantkv", "hit") / med("example", "hit"),
+            "tenantkv hit / prefill": med("tenantkv", "hit") / med("none", "miss"),
+            "tenantkv miss / prefill": med("tenantkv", "miss") / med("none", "miss"),
+        }
+        print(f"  {n:>5} tok: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     plot(results, lengths, out / "engines_vllm.png")
     (out / "engines_vllm.json").write_text(json.dumps(results, indent=1))
     print(f"\nplot: {out / 'engines_vllm.png'}")
