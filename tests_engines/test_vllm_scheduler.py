@@ -136,13 +136,17 @@ class Setup:
         self.scheduler.add_request(request)
         return request
 
-    def run_worker(self, meta: TenantKVConnectorMetadata, *, compute: bool = False) -> set[int]:
+    def run_worker(
+        self, meta: TenantKVConnectorMetadata, *, compute: bool = False, hooks: bool = True
+    ) -> set[int]:
         """One forward pass on the worker side: loads layer by layer, and (``compute``) fresh
-        KV written into every scheduled page and saved. Returns the pages whose load failed."""
+        KV written into every scheduled page and saved. Returns the pages whose load failed.
+        ``hooks=False``: the model never asks for its layers (the loads cannot complete)."""
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
         for index, name in enumerate(LAYERS):
-            self.worker.wait_for_layer_load(name)
+            if hooks:
+                self.worker.wait_for_layer_load(name)
             if compute:
                 for save in meta.saves:
                     for block in save.block_ids:
@@ -326,3 +330,15 @@ def test_damaged_extent_is_reported_and_recomputed(setup: Setup, gateway: Assert
     _, meta, errors = setup.step(compute=True)
     assert errors == set() and meta.loads == []
     assert [save.request_id for save in meta.saves] == ["owner"]
+
+
+def test_load_never_asked_for_is_reported_not_left_half_done(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    store_for(setup, "acme")
+    setup.request("owner", params(gateway, "acme"))
+    output = setup.scheduler.schedule()
+    meta = output.kv_connector_metadata
+    (load,) = meta.loads
+    errors = setup.run_worker(meta, hooks=False)
+    assert errors == set(load.block_ids)  # vLLM recomputes them instead of reading zeros

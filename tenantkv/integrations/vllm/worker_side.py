@@ -42,6 +42,7 @@ logger = logging.getLogger("tenantkv")
 class _Load:
     spec: LoadSpec
     stream: LoadStream | None
+    written: int = 0  # layers written into the pages
 
 
 @dataclass
@@ -121,6 +122,7 @@ class WorkerSide:
             try:
                 layer = load.stream.wait_for_layer(index)
                 self._write(load.spec, layer_name, layer)
+                load.written += 1
             except (TenantKVError, RuntimeError) as err:
                 self._failures.add(load.spec, err)
                 load.stream.close()
@@ -154,8 +156,12 @@ class WorkerSide:
                 self._finished_loads.add(spec.request_id)
 
     def _close_loads(self) -> None:
+        """End this step's loads. One whose layers were not all written (the model skipped
+        the hooks, or a layer failed) has its pages reported, so vLLM recomputes them."""
         for load in self._loads:
             if load.stream is not None:
+                if load.written < len(self._layer_index):
+                    self._failures.add(load.spec, RuntimeError("not every layer was loaded"))
                 load.stream.close()
         self._loads.clear()
 
