@@ -219,3 +219,22 @@ def test_refused_assertions_are_security_events(
         # positive control: a fresh genuine assertion resolves
         assert engine.resolve({ASSERTION_PARAM: signer.sign("acme")}) is not None
         assert kv.security_events()[ASSERTION_REFUSED] == len(refused) + 1
+
+
+def test_deleted_tenant_namespaces_are_dropped(
+    tmp_path: Path, index: object, signer: AssertionSigner, verifier: AssertionVerifier
+) -> None:
+    tokens = random_tokens(64)
+    with tenantkv.open(tmp_path / "cache", durable=False) as kv:
+        kv.create_tenant("acme")
+        engine = _engine(kv, verifier)
+        owner = RequestTenant("acme", None)
+        first = engine.namespace(owner)
+        assert first is not None and first.store(tokens, random_layers(MHA_SMALL, 64)) == 64
+        assert engine.namespace(owner) is first  # kept while nothing changes
+        kv.delete_tenant("acme")
+        assert engine.namespace(owner) is None  # gone with the tenant, not served from memory
+        kv.create_tenant("acme")  # a new tenant of the same name: its own, empty namespace
+        second = engine.namespace(owner)
+        assert second is not None and second is not first
+        assert second.cached_length(tokens) == 0

@@ -71,6 +71,7 @@ class EngineNamespaces:
         self.layout = layout
         self.block_tokens = block_tokens
         self._namespaces: dict[RequestTenant, Namespace] = {}
+        self._revocations = kv.context.keys.revocations
         self._lock = threading.Lock()
 
     def identify(
@@ -94,8 +95,17 @@ class EngineNamespaces:
     def namespace(self, owner: RequestTenant) -> Namespace | None:
         """The owner's namespace for this engine's model and layout; None when the tenant does
         not exist in this cache (a miss: the gateway vouched for it, the operator has not
-        created it, or deleted it)."""
+        created it, or deleted it).
+
+        Namespaces (which hold their clear hashing key) are kept until the keyring forgets keys
+        (a tenant deleted, keys retired, here or on another node): then all are dropped, so a
+        deleted tenant's key does not outlive its shredding here, and a tenant created again
+        under the same name gets its own namespace."""
+        revocations = self.kv.context.keys.revocations
         with self._lock:
+            if revocations != self._revocations:
+                self._namespaces.clear()
+                self._revocations = revocations
             cached = self._namespaces.get(owner)
         if cached is not None:
             return cached
@@ -113,13 +123,6 @@ class EngineNamespaces:
             return None
         with self._lock:
             return self._namespaces.setdefault(owner, namespace)
-
-    def forget(self, tenant: str) -> None:
-        """Drop the namespaces of ``tenant`` (after it was deleted, so a new tenant of the same
-        name gets its own)."""
-        with self._lock:
-            for owner in [o for o in self._namespaces if o.tenant == tenant]:
-                del self._namespaces[owner]
 
     def resolve(
         self, params: Mapping[str, Any] | None, *, request_id: str = ""
