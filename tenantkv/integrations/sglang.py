@@ -55,6 +55,7 @@ logger = logging.getLogger("tenantkv")
 #: A page is one block of this many synthetic "tokens" (the digest of SGLang's page hash).
 PAGE_WORDS = 16
 _PERSON = b"tkv-sglang-page"
+_MAX_REMEMBERED_REFUSALS = 1024
 
 
 def page_words(key: str) -> np.ndarray[Any, np.dtype[np.uint32]]:
@@ -108,6 +109,8 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             key = assertion if isinstance(assertion, str) else ""
             with self._lock:
                 first = key not in self._refused
+                if len(self._refused) >= _MAX_REMEMBERED_REFUSALS:
+                    self._refused.clear()  # bounded; at worst an event is recorded again
                 self._refused.add(key)
             if first:  # one security event per refused assertion, not one per page
                 engine.identify({ASSERTION_PARAM: assertion}, request_id="sglang-hicache")
