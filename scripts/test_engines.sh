@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The engine tests (tests_engines/: vLLM's real Scheduler and LLM on CPU, SGLang's HiCache
+# classes) in .venv-engines, which scripts/setup_engines.sh builds. About 5 minutes on 2 cores.
+# The main suite (scripts/test.sh) does not collect them: vLLM is ~3.5 GB with a torch build of
+# its own. pytest's exit code 5 (no tests collected) is a failure here, not a pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv-engines/bin/python ]; then
+    echo "no .venv-engines: run scripts/setup_engines.sh first" >&2
+    exit 1
+fi
+.venv-engines/bin/python -m pytest -p no:cacheprovider tests_engines "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$status"

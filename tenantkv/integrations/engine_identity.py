@@ -1,0 +1,135 @@
+"""The identity rule of the engine integrations: whose cache a request may use.
+
+Shared by the vLLM connector and the SGLang backend, and free of both engines so it is tested in
+the main suite. The rule:
+
+* The tenant (and scope) come only from a signed assertion the gateway passed beside the request
+  (:mod:`tenantkv.tenant_assertion`), verified with the gateway keys configured on the node.
+* A client-chosen value (vLLM's ``cache_salt``, SGLang's extra keys) never selects a tenant:
+  it is not read here at all.
+* A missing, malformed, forged, expired or otherwise refused assertion gives *no* cache for the
+  request (it is computed as without a cache) plus a ``tenant_assertion_refused`` security event,
+  logged, counted and audited on the system chain (the claimed tenant is not believed, so the
+  event does not go to its chain).
+* Block keys are always tenantkv's keyed hashes under the namespace of the verified (tenant,
+  scope, model, layout, block size); the engine's own block hashes are never used as keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..api import TenantKV
+from ..audit import ACCESS_REFUSED
+from ..errors import InvalidRequestError, TenantAssertionError, TenantNotFoundError
+from ..layout import KVLayout
+from ..services.namespace import Namespace
+from ..tenant_assertion import AssertionVerifier
+
+logger = logging.getLogger("tenantkv")
+
+#: The key of ``kv_transfer_params`` (vLLM) or of the extra config / request metadata (SGLang)
+#: that carries the gateway's assertion.
+ASSERTION_PARAM: Final = "tenantkv_assertion"
+#: The security event kind of a refused assertion.
+ASSERTION_REFUSED: Final = "tenant_assertion_refused"
+
+
+@dataclass(frozen=True)
+class RequestTenant:
+    """The verified owner of a request's cache."""
+
+    tenant: str
+    scope: str | None
+
+
+class EngineNamespaces:
+    """Verifies requests' assertions and opens the namespace of each verified owner.
+
+    One per engine-side object (connector role, storage backend); namespaces are kept per owner,
+    so a request's lookup costs no namespace query after the first one of its tenant.
+    """
+
+    def __init__(
+        self,
+        kv: TenantKV,
+        verifier: AssertionVerifier,
+        *,
+        model: str,
+        layout: KVLayout,
+        block_tokens: int,
+        revision: str | None = None,
+    ) -> None:
+        self.kv = kv
+        self._verifier = verifier
+        self._model = model
+        self._revision = revision
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self._namespaces: dict[RequestTenant, Namespace] = {}
+        self._revocations = kv.context.keys.revocations
+        self._lock = threading.Lock()
+
+    def identify(
+        self, params: Mapping[str, Any] | None, *, request_id: str = ""
+    ) -> RequestTenant | None:
+        """The owner that the request's assertion names, or None (then: no cache, and a
+        security event). Nothing else in ``params`` and nothing the client chose is read."""
+        raw = params.get(ASSERTION_PARAM) if isinstance(params, Mapping) else None
+        try:
+            claims = self._verifier.verify(raw)
+        except TenantAssertionError as err:
+            self.kv.context.incidents.record(
+                ASSERTION_REFUSED,
+                "",
+                f"request {request_id[:128]!r}: {err}",
+                ACCESS_REFUSED,
+            )
+            return None
+        return RequestTenant(claims.tenant, claims.scope)
+
+    def namespace(self, owner: RequestTenant) -> Namespace | None:
+        """The owner's namespace for this engine's model and layout; None when the tenant does
+        not exist in this cache (a miss: the gateway vouched for it, the operator has not
+        created it, or deleted it).
+
+        Namespaces (which hold their clear hashing key) are kept until the keyring forgets keys
+        (a tenant deleted, keys retired, here or on another node): then all are dropped, so a
+        deleted tenant's key does not outlive its shredding here, and a tenant created again
+        under the same name gets its own namespace."""
+        revocations = self.kv.context.keys.revocations
+        with self._lock:
+            if revocations != self._revocations:
+                self._namespaces.clear()
+                self._revocations = revocations
+            cached = self._namespaces.get(owner)
+        if cached is not None:
+            return cached
+        try:
+            namespace = self.kv.namespace(
+                owner.tenant,
+                model=self._model,
+                revision=self._revision,
+                layout=self.layout,
+                scope=owner.scope,
+                block_tokens=self.block_tokens,
+            )
+        except (TenantNotFoundError, InvalidRequestError) as err:
+            logger.info("no cache for tenant %r: %s", owner.tenant, err)
+            return None
+        with self._lock:
+            return self._namespaces.setdefault(owner, namespace)
+
+    def resolve(
+        self, params: Mapping[str, Any] | None, *, request_id: str = ""
+    ) -> tuple[RequestTenant, Namespace] | None:
+        """:meth:`identify` then :meth:`namespace`: the request's cache, or None."""
+        owner = self.identify(params, request_id=request_id)
+        if owner is None:
+            return None
+        namespace = self.namespace(owner)
+        return None if namespace is None else (owner, namespace)

@@ -1,0 +1,169 @@
+"""The scheduler half of the connector: how many tokens a request finds cached, and what the
+worker must load and save each step.
+
+``get_num_new_matched_tokens`` is asked again and again for a waiting request, so it is side
+effect free: the assertion is verified once per request (a refusal records one security event,
+not one per poll) and the length comes from ``Namespace.cached_length``, which does not meter.
+Metering happens once, when the request finishes (``Namespace.record_request``), with the
+tokens really served: a load that failed counts as a miss.
+
+The prompt's last token is never reported as cached (vLLM must compute at least one token), and
+hits are whole blocks: the namespace's block size is vLLM's ``block_size``, so tenantkv's
+blocks and vLLM's pages coincide.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...services.namespace import Namespace
+from ..engine_identity import EngineNamespaces, RequestTenant
+from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata
+
+logger = logging.getLogger("tenantkv")
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side knows about one live request."""
+
+    owner: RequestTenant | None
+    namespace: Namespace | None
+    prompt: tuple[int, ...]
+    cached: int = 0  # tokens tenantkv had at the last lookup
+    block_ids: list[int] = field(default_factory=list)
+    loaded_blocks: set[int] = field(default_factory=set)
+    external_tokens: int = 0
+    load_failed: bool = False
+    saved: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, engine: EngineNamespaces, block_tokens: int, load_async: bool) -> None:
+        self._engine = engine
+        self._block = block_tokens
+        self._async = load_async
+        self._requests: dict[str, _Tracked] = {}
+        self._pending_loads: dict[str, LoadSpec] = {}
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            found = self._engine.resolve(request.kv_transfer_params, request_id=request.request_id)
+            owner, namespace = found if found is not None else (None, None)
+            tracked = _Tracked(owner, namespace, tuple(request.prompt_token_ids or ()))
+            self._requests[request.request_id] = tracked
+        return tracked
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        tracked = self._track(request)
+        if tracked.namespace is None or len(tracked.prompt) < 2:
+            return 0, False
+        # Look the prompt's full blocks up (so a later save knows what is cached), but never
+        # report the block holding the last prompt token: vLLM must compute at least one.
+        full = len(tracked.prompt) // self._block * self._block
+        usable = (len(tracked.prompt) - 1) // self._block * self._block
+        tracked.cached = tracked.namespace.cached_length(list(tracked.prompt[:full]))
+        new = min(tracked.cached, usable) - num_computed_tokens
+        if new <= 0:
+            return 0, False
+        return new, self._async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        tracked = self._track(request)
+        assert tracked.owner is not None, "a load was granted to a request without an owner"
+        block_ids = list(blocks.get_block_ids()[0])
+        end = request.num_computed_tokens + num_external_tokens
+        if self._async:
+            # an async load's request is not scheduled yet: num_computed_tokens is the local hit
+            usable = (len(tracked.prompt) - 1) // self._block * self._block
+            end = max(end, min(tracked.cached, usable))
+        first = (end - num_external_tokens) // self._block
+        last = end // self._block
+        tracked.external_tokens = num_external_tokens
+        tracked.loaded_blocks = set(block_ids[first:last])
+        self._pending_loads[request.request_id] = LoadSpec(
+            request.request_id,
+            tracked.owner,
+            tracked.prompt[:end],
+            tuple(block_ids[:last]),
+            first,
+            self._async,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> TenantKVConnectorMetadata:
+        meta = TenantKVConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            self._maybe_save(
+                meta, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id]
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracked.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
+            self._maybe_save(meta, req_id, tracked, computed)
+        return meta
+
+    def _maybe_save(
+        self, meta: TenantKVConnectorMetadata, req_id: str, tracked: _Tracked, computed: int
+    ) -> None:
+        """Save the prompt's full blocks in the step that computes the last of them."""
+        full = len(tracked.prompt) // self._block * self._block
+        if tracked.owner is None or tracked.saved or full == 0 or computed < full:
+            return
+        tracked.saved = True
+        start = min(tracked.cached, full) // self._block
+        if start * self._block >= full:
+            return  # all cached already
+        meta.saves.append(
+            SaveSpec(
+                req_id,
+                tracked.owner,
+                tracked.prompt[:full],
+                tuple(tracked.block_ids[: full // self._block]),
+                start,
+            )
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Note requests whose loaded blocks failed (vLLM recomputes them): a miss to meter."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        for tracked in self._requests.values():
+            if tracked.loaded_blocks & invalid:
+                # vLLM recomputes the prompt; the cached copy was dropped (or is unreadable),
+                # so the recomputed blocks are saved again
+                tracked.load_failed = True
+                tracked.cached = 0
+                tracked.saved = False
+
+    def request_finished(self, request: Any) -> None:
+        tracked = self._requests.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        if tracked is None or tracked.namespace is None:
+            return
+        hit = 0 if tracked.load_failed else tracked.external_tokens
+        try:
+            tracked.namespace.record_request(hit, max(0, len(tracked.prompt) - hit))
+        except Exception as err:  # metering must never fail the engine
+            logger.warning("could not meter request %s: %s", request.request_id, err)

@@ -1,0 +1,104 @@
+"""The connector's settings (vLLM's ``kv_connector_extra_config``), its KV layout (from the
+engine's KV cache config) and the cache it opens.
+
+Extra config keys:
+
+* ``root`` (required): the cache root, as for ``tenantkv.open``; ``open_options`` (a dict) are
+  further ``tenantkv.open`` settings (``database_url``, ``block_store_url``, ...).
+* ``gateway_public_keys`` (required): PEM text or paths of PEM files of the gateways' Ed25519
+  public keys; ``audience``: the deployment name assertions must carry;
+  ``max_assertion_lifetime``: seconds (default 300).
+* ``model``: the model's name in namespaces (default: vLLM's ``model``), ``revision`` likewise.
+* ``load_async``: load between scheduler steps (``True``) instead of layer by layer during the
+  forward pass (``False``, the default).
+
+The scheduler and the worker side each build a connector; in one process they share one open
+cache per root (``tenantkv.integrations.engine_cache``), closed when the process exits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...api import TenantKV
+from ...errors import InvalidRequestError
+from ...layout import KVLayout
+from ...tenant_assertion import DEFAULT_MAX_LIFETIME, AssertionVerifier
+from ..engine_cache import read_pems
+from ..engine_cache import shared_cache as _shared_cache
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    root: str
+    open_options: Mapping[str, Any]
+    gateway_public_keys: tuple[bytes, ...]
+    audience: str | None
+    max_assertion_lifetime: float
+    model: str
+    revision: str | None
+    load_async: bool
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], default_model: str) -> ConnectorSettings:
+        root = extra.get("root")
+        if not isinstance(root, str) or not root:
+            raise InvalidRequestError("kv_connector_extra_config needs 'root' (the cache root)")
+        return cls(
+            root=root,
+            open_options=dict(extra.get("open_options") or {}),
+            gateway_public_keys=read_pems(extra.get("gateway_public_keys")),
+            audience=extra.get("audience"),
+            max_assertion_lifetime=float(extra.get("max_assertion_lifetime", DEFAULT_MAX_LIFETIME)),
+            model=str(extra.get("model") or default_model),
+            revision=extra.get("revision"),
+            load_async=bool(extra.get("load_async", False)),
+        )
+
+    def verifier(self) -> AssertionVerifier:
+        return AssertionVerifier.from_pem(
+            self.gateway_public_keys,
+            audience=self.audience,
+            max_lifetime=self.max_assertion_lifetime,
+        )
+
+
+def shared_cache(settings: ConnectorSettings) -> TenantKV:
+    """The process's cache for this root (the scheduler and worker sides share it)."""
+    return _shared_cache(settings.root, settings.open_options)
+
+
+def layout_of(kv_cache_config: Any, hf_config: Any) -> tuple[KVLayout, list[str], int]:
+    """(layout, attention layer names in model order, block size) of the engine's KV cache.
+
+    One KV cache group only (start vLLM with ``disable_hybrid_kv_cache_manager=True`` for
+    models that mix attention kinds); MLA when the spec is vLLM's ``MLAAttentionSpec``.
+    """
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise InvalidRequestError(
+            f"tenantkv needs one KV cache group, the engine has {len(groups)} "
+            "(set disable_hybrid_kv_cache_manager=True)"
+        )
+    spec = groups[0].kv_cache_spec
+    names = list(groups[0].layer_names)
+    dtype = spec.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequestError(f"unsupported KV cache dtype {dtype!r}")
+    if type(spec).__name__ == "MLAAttentionSpec":
+        rank = int(getattr(hf_config, "kv_lora_rank", 0) or 0)
+        rope = int(getattr(hf_config, "qk_rope_head_dim", 0) or 0)
+        if rank + rope != spec.head_size:
+            raise InvalidRequestError(
+                f"MLA head size {spec.head_size} is not kv_lora_rank {rank} + rope {rope}"
+            )
+        return KVLayout.mla(len(names), rank, rope, dtype), names, int(spec.block_size)
+    head_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
+    if type(spec).__name__ != "FullAttentionSpec" or head_v != spec.head_size:
+        raise InvalidRequestError(f"unsupported KV cache spec {type(spec).__name__}")
+    layout = KVLayout.mha(len(names), int(spec.num_kv_heads), int(spec.head_size), dtype)
+    return layout, names, int(spec.block_size)

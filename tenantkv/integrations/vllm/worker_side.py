@@ -1,0 +1,217 @@
+"""The worker half of the connector: loads cached prefixes into vLLM's paged KV, layer by
+layer, and saves computed prompts from it.
+
+* **Layer-wise loads** (the default): ``start_load_kv`` opens a tenantkv load stream per request
+  (reading and decrypting start at once, in the background); ``wait_for_layer_load(name)``,
+  called by each attention layer before it runs, takes that layer from every stream and writes
+  it into the request's pages, so layer ``i`` computes while layers ``i + 1 ...`` are read.
+* **Async loads** (``load_async``): the whole load runs on a background thread between steps;
+  ``get_finished`` reports the request once every layer is in its pages.
+* **Saves**: ``save_kv_layer``, called after each attention layer, copies the new prompt
+  blocks' rows of that layer out of the pages; ``wait_for_save`` stores the request through
+  ``Namespace.store(start=)`` once all layers are in (sealed layer-parallel on tenantkv's
+  workers). The rows are copies, so vLLM may reuse the pages at once.
+* **Failures**: a load that finds its prefix gone, a segment that fails to open (a security
+  event, the extent dropped), a revoked key or an I/O error: the request's loaded pages are
+  reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
+  ``kv_load_failure_policy="recompute"``). Never wrong data, never a failed request. A failed
+  save is logged; the next request simply misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import TenantKVError
+from ...layout import KVLayout, Layer
+from ...loader import LoadStream
+from ..engine_identity import EngineNamespaces
+from ..paged_kv import gather_layer, scatter_layer
+from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata
+
+logger = logging.getLogger("tenantkv")
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    stream: LoadStream | None
+    written: int = 0  # layers written into the pages
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    layers: list[Layer | None]
+    failed: bool = False
+
+
+@dataclass
+class _Failures:
+    """Pages whose load failed, until vLLM asks (once per step)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    block_ids: set[int] = field(default_factory=set)
+
+    def add(self, spec: LoadSpec, err: BaseException) -> None:
+        logger.warning(
+            "tenantkv load for request %s failed, vLLM recomputes it: %s", spec.request_id, err
+        )
+        with self.lock:
+            self.block_ids.update(spec.block_ids[spec.first_block :])
+
+    def take(self) -> set[int]:
+        with self.lock:
+            taken, self.block_ids = self.block_ids, set()
+        return taken
+
+
+class WorkerSide:
+    def __init__(self, engine: EngineNamespaces, layer_names: list[str]) -> None:
+        self._engine = engine
+        self._layout: KVLayout = engine.layout
+        self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] = []
+        self._failures = _Failures()
+        self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-vllm-load")
+        self._finished_lock = threading.Lock()
+        self._finished_loads: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+
+    # ---- loads --------------------------------------------------------------------------------
+
+    def _open(self, spec: LoadSpec) -> LoadStream | None:
+        namespace = self._engine.namespace(spec.owner)
+        if namespace is None:
+            self._failures.add(spec, LookupError(f"no namespace for {spec.owner}"))
+            return None
+        try:
+            return namespace.load(list(spec.token_ids))
+        except TenantKVError as err:
+            self._failures.add(spec, err)
+            return None
+
+    def start_load_kv(
+        self, meta: TenantKVConnectorMetadata, forward_caches: dict[str, Any]
+    ) -> None:
+        """Start this step's loads; ``forward_caches`` maps layer names to their page views."""
+        self._kv_caches.update(forward_caches)
+        for spec in meta.loads:
+            if spec.asynchronous:
+                self._async_pool.submit(self._load_whole, spec)
+            else:
+                self._loads.append(_Load(spec, self._open(spec)))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        for load in self._loads:
+            if load.stream is None:
+                continue
+            try:
+                layer = load.stream.wait_for_layer(index)
+                self._write(load.spec, layer_name, layer)
+                load.written += 1
+            except (TenantKVError, RuntimeError) as err:
+                self._failures.add(load.spec, err)
+                load.stream.close()
+                load.stream = None
+        if index == len(self._layer_index) - 1:
+            self._close_loads()
+
+    def _write(self, spec: LoadSpec, layer_name: str, layer: Layer) -> None:
+        first, tokens = spec.first_block, self._engine.block_tokens
+        if first:
+            layer = (
+                layer[first * tokens :]
+                if isinstance(layer, torch.Tensor)
+                else (layer[0][first * tokens :], layer[1][first * tokens :])
+            )
+        scatter_layer(self._kv_caches[layer_name], spec.block_ids[first:], layer, self._layout)
+
+    def _load_whole(self, spec: LoadSpec) -> None:
+        """Background: every layer of an async load into its pages, then report it finished."""
+        try:
+            stream = self._open(spec)
+            if stream is not None:
+                with stream:
+                    for index, layer in stream:
+                        name = next(n for n, i in self._layer_index.items() if i == index)
+                        self._write(spec, name, layer)
+        except (TenantKVError, RuntimeError, KeyError) as err:
+            self._failures.add(spec, err)
+        finally:
+            with self._finished_lock:
+                self._finished_loads.add(spec.request_id)
+
+    def _close_loads(self) -> None:
+        """End this step's loads. One whose layers were not all written (the model skipped
+        the hooks, or a layer failed) has its pages reported, so vLLM recomputes them."""
+        for load in self._loads:
+            if load.stream is not None:
+                if load.written < len(self._layer_index):
+                    self._failures.add(load.spec, RuntimeError("not every layer was loaded"))
+                load.stream.close()
+        self._loads.clear()
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._finished_lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._failures.take()
+
+    # ---- saves --------------------------------------------------------------------------------
+
+    def save_kv_layer(
+        self, meta: TenantKVConnectorMetadata, layer_name: str, kv_layer: Any
+    ) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is None or not meta.saves:
+            return
+        if not self._saves:
+            self._saves = [_Save(spec, [None] * len(self._layer_index)) for spec in meta.saves]
+        for save in self._saves:
+            spec = save.spec
+            try:
+                save.layers[index] = gather_layer(
+                    kv_layer, spec.block_ids[spec.start_block :], self._layout
+                )
+            except TenantKVError as err:
+                logger.warning("tenantkv could not copy request %s: %s", spec.request_id, err)
+                save.failed = True
+
+    def wait_for_save(self) -> None:
+        saves, self._saves = self._saves, []
+        self._close_loads()  # a step whose model skipped layers must not keep streams open
+        for save in saves:
+            if save.failed or any(layer is None for layer in save.layers):
+                continue
+            spec = save.spec
+            namespace = self._engine.namespace(spec.owner)
+            if namespace is None:
+                continue
+            try:
+                namespace.store(
+                    list(spec.token_ids),
+                    save.layers,
+                    start=spec.start_block * self._engine.block_tokens,
+                )
+            except TenantKVError as err:
+                logger.warning("tenantkv could not store request %s: %s", spec.request_id, err)
+
+    def shutdown(self) -> None:
+        self._close_loads()
+        self._async_pool.shutdown(wait=True)

@@ -1,0 +1,81 @@
+"""Engine-free parts of the engine integrations: copies between an engine's paged KV and
+tenantkv's layers (tenantkv.integrations.paged_kv), and metering a request when it finishes
+(Namespace.record_request). The engines' own tests (tests_engines/) use both through vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tenantkv
+from tenantkv import KVLayout
+from tenantkv.errors import InvalidRequestError
+from tenantkv.integrations.paged_kv import gather_layer, scatter_layer
+from tests.helpers import MHA_SMALL, random_tokens
+
+BLOCK = 16
+MHA = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+MLA = KVLayout.mla(num_layers=2, kv_lora_rank=6, rope_dim=2, dtype=torch.bfloat16)
+
+
+def test_mha_pages_round_trip_through_block_ids() -> None:
+    pages = torch.zeros(6, 2, BLOCK, 8, dtype=torch.float16)  # [B, H, N, K|V]
+    k = torch.randn(2 * BLOCK, 2, 4).half()
+    v = torch.randn(2 * BLOCK, 2, 4).half()
+    scatter_layer(pages, [4, 1], (k, v), MHA)
+    # token t of the layer sits in page block_ids[t // N] at offset t % N, K then V per head
+    assert torch.equal(pages[4, 1, 3, :4], k[3, 1]) and torch.equal(pages[4, 1, 3, 4:], v[3, 1])
+    assert torch.equal(pages[1, 0, 0, :4], k[BLOCK, 0])
+    for untouched in (0, 2, 3, 5):
+        assert pages[untouched].abs().sum() == 0
+    got_k, got_v = gather_layer(pages, [4, 1], MHA)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_mla_pages_with_and_without_the_head_axis() -> None:
+    rows = torch.randn(BLOCK, 8).to(torch.bfloat16)
+    four_d = torch.zeros(3, 1, BLOCK, 8, dtype=torch.bfloat16)
+    three_d = torch.zeros(3, BLOCK, 8, dtype=torch.bfloat16)  # vLLM's CPU MLA pages
+    for pages in (four_d, three_d):
+        scatter_layer(pages, [2], rows, MLA)
+        assert torch.equal(gather_layer(pages, [2], MLA), rows)
+        assert pages[:2].abs().sum() == 0
+
+
+def test_byte_views_are_read_as_the_layout_dtype() -> None:
+    pages = torch.zeros(2, 2, BLOCK, 8, dtype=torch.float16)
+    k = torch.randn(BLOCK, 2, 4).half()
+    scatter_layer(pages.view(torch.uint8), [1], (k, k), MHA)
+    assert torch.equal(pages[1, 0, :, :4], k[:, 0])
+
+
+def test_mismatched_pages_are_refused_not_copied() -> None:
+    wrong_heads = torch.zeros(2, 3, BLOCK, 8, dtype=torch.float16)
+    with pytest.raises(InvalidRequestError):
+        gather_layer(wrong_heads, [0], MHA)
+    with pytest.raises(InvalidRequestError):
+        scatter_layer(torch.zeros(2, 2, BLOCK, 8), [0], (torch.zeros(BLOCK, 2, 4),) * 2, MHA)
+    pages = torch.zeros(2, 2, BLOCK, 8, dtype=torch.float16)
+    too_short = (torch.ones(BLOCK - 1, 2, 4).half(),) * 2
+    with pytest.raises(InvalidRequestError):
+        scatter_layer(pages, [0], too_short, MHA)
+    assert pages.abs().sum() == 0
+
+
+def test_record_request_meters_hits_and_misses_once(tmp_path: Path, index: object) -> None:
+    with tenantkv.open(tmp_path / "cache", durable=False) as kv:
+        kv.create_tenant("acme")
+        namespace = kv.namespace("acme", model="m", layout=MHA_SMALL)
+        tokens = random_tokens(128)
+        before = dict(kv.usage("acme").counters)
+        for _ in range(3):  # the engines' lookup, asked again and again: not metered
+            assert namespace.cached_length(tokens) == 0
+        assert kv.usage("acme").counters == before
+        namespace.record_request(64, 36)
+        after = kv.usage("acme").counters
+        assert after["hit_tokens"] - before.get("hit_tokens", 0) == 64
+        assert after["miss_tokens"] - before.get("miss_tokens", 0) == 36
+        with pytest.raises(InvalidRequestError):
+            namespace.record_request(-1, 0)

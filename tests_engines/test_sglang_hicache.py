@@ -1,0 +1,195 @@
+"""The SGLang HiCache backend through SGLang's own classes: ``StorageBackendFactory`` builds it
+from a ``dynamic`` config (``cls(storage_config, kwargs)``) with a real ``HiCacheStorageConfig``.
+
+SGLang's host pools (``MHATokenToKVPoolHost``) cannot be imported here: their module pulls in
+torchvision, whose PyPI build breaks beside the CPU torch. ``PageFirstHostPool`` stands in for
+one, with the same page API (``page_size``, ``get_data_page``, ``set_from_flat_data_page``,
+``get_dummy_flat_data_page``) and the same page-first buffer shape.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+import tenantkv
+from tenantkv.integrations.engine_identity import ASSERTION_REFUSED
+from tenantkv.integrations.sglang import TenantKVHiCacheStorage
+from tenantkv.tenant_assertion import AssertionSigner
+from tests.indexes import Index
+
+pytestmark = pytest.mark.usefixtures("no_leftover_caches")
+
+PAGE, LAYERS, HEADS, DIM = 16, 2, 2, 8
+
+
+class PageFirstHostPool:
+    """SGLang's MHA host pool page API over a page-first buffer [2, size, layers, heads, dim]."""
+
+    def __init__(self, pages: int) -> None:
+        self.page_size = PAGE
+        self.layout = "page_first"
+        self.dtype = torch.float16
+        self.kv_buffer = torch.zeros(2, pages * PAGE, LAYERS, HEADS, DIM, dtype=self.dtype)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, index : index + PAGE]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(2 * PAGE * LAYERS * HEADS * DIM, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.kv_buffer[:, index : index + PAGE] = data_page.reshape(2, PAGE, LAYERS, HEADS, DIM)
+
+
+def backend(
+    root: Path, index: Index, pem: str, assertion: str | None, host: PageFirstHostPool
+) -> HiCacheStorage:
+    extra: dict[str, Any] = {
+        "backend_name": "tenantkv",
+        "module_path": "tenantkv.integrations.sglang",
+        "class_name": "TenantKVHiCacheStorage",
+        "root": str(root),
+        "open_options": {"database_url": index.url(root), "durable": False},
+        "gateway_public_keys": [pem],
+        "model": "tiny",
+    }
+    if assertion is not None:
+        extra["tenantkv_assertion"] = assertion
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="tiny",
+        extra_config=extra,
+    )
+    storage = StorageBackendFactory.create_backend("dynamic", config, host)
+    assert isinstance(storage, TenantKVHiCacheStorage)
+    storage.register_mem_pool_host(host)
+    return storage
+
+
+@pytest.fixture
+def root(tmp_path: Path, index: Index) -> Path:
+    root = tmp_path / "cache"
+    with tenantkv.open(root, durable=False) as kv:
+        kv.create_tenant("acme")
+        kv.create_tenant("globex")
+    return root
+
+
+def filled_pool(pages: int, seed: int) -> PageFirstHostPool:
+    host = PageFirstHostPool(pages)
+    generator = torch.Generator().manual_seed(seed)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=generator).half())
+    return host
+
+
+KEYS = ["page-hash-0", "page-hash-1", "page-hash-2"]
+
+
+def test_round_trip_through_host_pool_indices(
+    root: Path, index: Index, gateway: AssertionSigner, gateway_pem: str
+) -> None:
+    source = filled_pool(4, seed=1)
+    writer = backend(root, index, gateway_pem, gateway.sign("acme", ttl=240), source)
+    indices = torch.arange(0, 3 * PAGE)  # token slots of pages 0, 1, 2
+    assert writer.batch_set_v1(KEYS, indices) == [True, True, True]
+    assert writer.batch_exists([*KEYS, "never-stored"]) == 3
+    target = PageFirstHostPool(4)
+    reader = backend(root, index, gateway_pem, gateway.sign("acme", ttl=240), target)
+    into = torch.arange(PAGE, 4 * PAGE)  # into pages 1, 2, 3 of another pool
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert reader.batch_get_v1(KEYS, into, info) == [True, True, True]
+    assert torch.equal(target.kv_buffer[:, PAGE:], source.kv_buffer[:, : 3 * PAGE])
+    assert target.kv_buffer[:, :PAGE].abs().sum() == 0  # page 0 untouched
+    # the older single-page interface
+    page = reader.get(
+        KEYS[1], torch.empty(source.get_dummy_flat_data_page().shape, dtype=torch.float16)
+    )
+    assert page is not None and torch.equal(page, source.get_data_page(PAGE))
+    assert reader.exists(KEYS[0]) and not reader.exists("never-stored")
+
+
+def test_isolation_by_assertion(
+    root: Path,
+    index: Index,
+    gateway: AssertionSigner,
+    gateway_key: Ed25519PrivateKey,
+    gateway_pem: str,
+) -> None:
+    source = filled_pool(4, seed=2)
+    owner = backend(root, index, gateway_pem, gateway.sign("acme", ttl=240), source)
+    assert all(owner.batch_set_v1(KEYS, torch.arange(0, 3 * PAGE)))
+    stale = AssertionSigner(gateway_key, clock=lambda: time.time() - 600).sign("acme", ttl=60)
+    rogue = AssertionSigner(Ed25519PrivateKey.generate()).sign("acme", ttl=240)
+    others = {
+        "globex": gateway.sign("globex", ttl=240),
+        "acme-scope": gateway.sign("acme", scope="u2", ttl=240),
+        "expired": stale,
+        "forged": rogue,
+        "unsigned": None,
+    }
+    for name, assertion in others.items():
+        target = PageFirstHostPool(4)
+        other = backend(root, index, gateway_pem, assertion, target)
+        assert other.batch_exists(KEYS) == 0, name
+        assert other.batch_get_v1(KEYS, torch.arange(0, 3 * PAGE)) == [False] * 3, name
+        assert target.kv_buffer.abs().sum() == 0, name
+        if name in ("expired", "forged", "unsigned"):
+            assert other.batch_set_v1(KEYS, torch.arange(0, 3 * PAGE)) == [False] * 3
+    kv = owner._kv
+    assert kv.security_events()[ASSERTION_REFUSED] == 3  # once per refused assertion
+    # the positive control: the owner, with a fresh assertion, still reads every page
+    target = PageFirstHostPool(4)
+    again = backend(root, index, gateway_pem, gateway.sign("acme", ttl=240), target)
+    assert again.batch_get_v1(KEYS, torch.arange(0, 3 * PAGE)) == [True] * 3
+    assert torch.equal(target.kv_buffer[:, : 3 * PAGE], source.kv_buffer[:, : 3 * PAGE])
+    # a per-call assertion (SGLang's extra_info) takes precedence over the deployment's
+    call = HiCacheStorageExtraInfo(extra_info={"tenantkv_assertion": gateway.sign("globex")})
+    assert again.batch_get_v1(KEYS, torch.arange(0, 3 * PAGE), call) == [False] * 3
+
+
+def test_damaged_page_is_a_miss_and_a_security_event(
+    root: Path, index: Index, gateway: AssertionSigner, gateway_pem: str
+) -> None:
+    source = filled_pool(4, seed=3)
+    storage = backend(root, index, gateway_pem, gateway.sign("acme", ttl=240), source)
+    assert all(storage.batch_set_v1(KEYS, torch.arange(0, 3 * PAGE)))
+    files = sorted(p for p in (root / "blocks").rglob("*") if p.is_file())
+    assert len(files) == 3  # one extent per page
+    damaged = files[0]
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    source.kv_buffer.zero_()
+    result = storage.batch_get_v1(KEYS, torch.arange(0, 3 * PAGE))
+    assert result.count(False) == 1 and result.count(True) == 2  # only the damaged page
+    assert storage._kv.security_events().get("segment_open_failed") == 1
+    bad = result.index(False)  # its page in the pool was left as it was (zeros), not filled
+    assert source.kv_buffer[:, bad * PAGE : (bad + 1) * PAGE].abs().sum() == 0
+    assert all(
+        source.kv_buffer[:, i * PAGE : (i + 1) * PAGE].abs().sum() > 0 for i in range(3) if i != bad
+    )
+    # the damaged extent was dropped: its page is a plain miss now, and can be stored again
+    missing = KEYS[bad]
+    assert not storage.exists(missing)
+    assert storage.batch_set_v1([missing], torch.arange(0, PAGE)) == [True]

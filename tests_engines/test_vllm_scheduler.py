@@ -1,0 +1,344 @@
+"""The connector against vLLM's real ``Scheduler`` and real paged KV tensors, without a model.
+
+The scheduler-side connector answers the real scheduler (matched tokens, async loads,
+preemption, load errors); the worker-side connector, built from the same config, loads into and
+saves from page tensors shaped as vLLM's CPU backend allocates them ([B, H, N, K|V]).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, RequestTenant
+from tenantkv.integrations.vllm import TenantKVConnector
+from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
+from tenantkv.tenant_assertion import AssertionSigner
+from tests.indexes import Index
+from tests_engines.conftest import BLOCK
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+HEADS, HEAD_DIM, NUM_BLOCKS = 2, 64, 64
+PROMPT = list(range(10, 110))  # 100 tokens: 3 full blocks of 32 usable (the last token is not)
+EOS = 2
+
+pytestmark = pytest.mark.usefixtures("no_leftover_caches")
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
+
+
+def vllm_config(model: Path, extra: dict[str, Any]) -> VllmConfig:
+    model_config = ModelConfig(model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True)
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            max_model_len=512,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TenantKVConnector",
+            kv_connector_module_path="tenantkv.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+class Setup:
+    """A cache with tenants acme and globex, a scheduler and a worker-side connector on it."""
+
+    def __init__(
+        self, root: Path, index: Index, model: Path, pem: str, *, load_async: bool = False
+    ) -> None:
+        self.root = root
+        url = index.url(root)
+        extra = {
+            "root": str(root),
+            "open_options": {"database_url": url, "durable": False},
+            "gateway_public_keys": [pem],
+            "model": "tiny-llama",
+            "load_async": load_async,
+        }
+        self.config = vllm_config(model, extra)
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kv_cache_config(),
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+        )
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, TenantKVConnector)
+        self.kv = self.connector.engine.kv
+        for tenant in ("acme", "globex"):
+            if tenant not in {t.name for t in self.kv.list_tenants()}:
+                self.kv.create_tenant(tenant)
+        self.worker = TenantKVConnector(self.config, KVConnectorRole.WORKER, kv_cache_config())
+        self.pages = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
+        self.worker.register_kv_caches(self.pages)
+
+    def request(
+        self, rid: str, params: dict[str, Any] | None, prompt: list[int] = PROMPT
+    ) -> Request:
+        """A request whose vLLM-side salt is its id: in a deployment the gateway sets
+        ``cache_salt`` per tenant, or vLLM's own GPU prefix cache shares blocks across tenants
+        (outside tenantkv; docs/engines.md)."""
+        init_none_hash(sha256)
+        sampling = SamplingParams(max_tokens=4)
+        sampling.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=sampling,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+            cache_salt=rid,
+        )
+        request.kv_transfer_params = params
+        self.scheduler.add_request(request)
+        return request
+
+    def run_worker(
+        self, meta: TenantKVConnectorMetadata, *, compute: bool = False, hooks: bool = True
+    ) -> set[int]:
+        """One forward pass on the worker side: loads layer by layer, and (``compute``) fresh
+        KV written into every scheduled page and saved. Returns the pages whose load failed.
+        ``hooks=False``: the model never asks for its layers (the loads cannot complete)."""
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
+        for index, name in enumerate(LAYERS):
+            if hooks:
+                self.worker.wait_for_layer_load(name)
+            if compute:
+                for save in meta.saves:
+                    for block in save.block_ids:
+                        self.pages[name][block] = float(index + 1) + block
+            self.worker.save_kv_layer(name, self.pages[name], None)
+        self.worker.wait_for_save()
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        return errors
+
+    def step(self, *, compute: bool = False, finished_recving: set[str] | None = None) -> Any:
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, TenantKVConnectorMetadata)
+        errors = self.run_worker(meta, compute=compute)
+        _, done = self.worker.get_finished(set())
+        recving = set(done or ()) | set(finished_recving or ())
+        req_ids = [r.req_id for r in output.scheduled_new_reqs] + list(
+            output.scheduled_cached_reqs.req_ids
+        )
+        runner = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=recving or None, invalid_block_ids=errors
+            ),
+        )
+        self.scheduler.update_from_output(output, runner)
+        return output, meta, errors
+
+
+def store_for(setup: Setup, tenant: str, scope: str | None = None) -> torch.Tensor:
+    """Store the prompt's first 3 blocks for ``tenant``; returns the K|V rows per layer."""
+    namespace = setup.connector.engine.namespace(RequestTenant(tenant, scope))
+    assert namespace is not None
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(len(LAYERS), 96, HEADS, 2 * HEAD_DIM, generator=generator)
+    layers = [(rows[i, ..., :HEAD_DIM], rows[i, ..., HEAD_DIM:]) for i in range(len(LAYERS))]
+    assert namespace.store(PROMPT[:96], layers) == 96
+    return rows
+
+
+def params(gateway: AssertionSigner, tenant: str, **claims: Any) -> dict[str, Any]:
+    return {"tenantkv_assertion": gateway.sign(tenant, **claims)}
+
+
+@pytest.fixture
+def setup(tmp_path: Path, index: Index, tiny_llama: Path, gateway_pem: str) -> Setup:
+    return Setup(tmp_path / "cache", index, tiny_llama, gateway_pem)
+
+
+def test_matched_tokens_loaded_into_pages_through_the_block_ids(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    rows = store_for(setup, "acme")
+    usage_before = dict(setup.kv.usage("acme").counters)
+    owner = setup.request("owner", params(gateway, "acme"))
+    # asked repeatedly, the scheduler-side lookup is side-effect free (no metering)
+    for _ in range(3):
+        assert setup.connector.get_num_new_matched_tokens(owner, 0) == (96, False)
+    assert setup.kv.usage("acme").counters == usage_before
+    _, meta, errors = setup.step(compute=True)
+    assert errors == set()
+    assert owner.num_computed_tokens == 100  # 96 loaded + 4 computed
+    (load,) = meta.loads
+    assert (load.first_block, len(load.block_ids)) == (0, 3)
+    for index, name in enumerate(LAYERS):
+        for b, page in enumerate(load.block_ids):
+            expected = rows[index, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
+    assert meta.saves == []  # everything the prompt has in full blocks was cached
+    setup.scheduler.finish_requests("owner", RequestStatus.FINISHED_ABORTED)
+    totals = setup.kv.usage("acme").counters
+    assert totals["hit_tokens"] - usage_before.get("hit_tokens", 0) == 96  # metered at the end
+    assert totals["miss_tokens"] - usage_before.get("miss_tokens", 0) == 4
+
+
+def test_other_tenants_scopes_and_bad_assertions_match_nothing(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    store_for(setup, "acme", scope="u1")
+    expired = gateway.sign("acme", scope="u1", ttl=1)
+    time.sleep(1.1)
+    others = {
+        "globex": params(gateway, "globex", scope="u1"),
+        "acme-u2": params(gateway, "acme", scope="u2"),
+        "salt-only": {"cache_salt": "acme"},
+        "none": None,
+        "forged": {"tenantkv_assertion": expired[:-4] + "AAAA"},
+        "expired": {"tenantkv_assertion": expired},
+    }
+    # the owner first: one step's 512-token budget takes 5 of these 100-token prompts
+    requests = {"owner": setup.request("owner", params(gateway, "acme", scope="u1"))}
+    requests.update({rid: setup.request(rid, p) for rid, p in others.items()})
+    _, meta, _ = setup.step(compute=True)
+    assert [load.request_id for load in meta.loads] == ["owner"]  # the positive control
+    assert requests["owner"].num_computed_tokens == 100
+    _, later, _ = setup.step(compute=True)
+    assert later.loads == []
+    meta.saves.extend(later.saves)
+    # a refused assertion: one security event per request, however often it is polled
+    assert setup.kv.security_events()[ASSERTION_REFUSED] == 4
+    # tenants with a verified assertion store their own copy; refused requests store nothing
+    saved = {save.request_id for save in meta.saves}
+    assert saved == {"globex", "acme-u2"}
+
+
+def test_computed_prompt_is_saved_and_then_hits(setup: Setup, gateway: AssertionSigner) -> None:
+    setup.request("first", params(gateway, "globex"))
+    _, meta, _ = setup.step(compute=True)
+    (save,) = meta.saves
+    assert (save.start_block, len(save.block_ids)) == (0, 3)
+    setup.scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
+    saved_pages = {name: setup.pages[name][list(save.block_ids)].clone() for name in LAYERS}
+    for name in LAYERS:
+        setup.pages[name].zero_()
+    setup.scheduler.reset_prefix_cache()
+    second = setup.request("second", params(gateway, "globex"))
+    _, meta, _ = setup.step()
+    (load,) = meta.loads
+    assert second.num_computed_tokens == 100
+    for name in LAYERS:
+        assert torch.equal(setup.pages[name][list(load.block_ids)], saved_pages[name])
+
+
+def test_async_load_finishes_between_steps(
+    tmp_path: Path, index: Index, tiny_llama: Path, gateway_pem: str, gateway: AssertionSigner
+) -> None:
+    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
+    store_for(setup, "acme")
+    request = setup.request("owner", params(gateway, "acme"))
+    assert setup.connector.get_num_new_matched_tokens(request, 0) == (96, True)
+    _, meta, _ = setup.step()
+    assert [load.asynchronous for load in meta.loads] == [True]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    setup.worker.worker_side._async_pool.submit(lambda: None).result()  # the load has run
+    for _ in range(3):
+        setup.step()
+    assert request.status == RequestStatus.RUNNING
+    assert request.num_computed_tokens >= 100
+
+
+def test_preempted_request_loads_again_into_its_new_pages(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    rows = store_for(setup, "acme")
+    request = setup.request("owner", params(gateway, "acme"))
+    _, first, _ = setup.step()
+    for name in LAYERS:
+        setup.pages[name].zero_()
+    assert setup.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert request.status == RequestStatus.PREEMPTED
+    _, again, errors = setup.step()
+    (load,) = again.loads
+    assert load.request_id == "owner" and errors == set() and len(first.loads) == 1
+    # the resumed request (prompt + 1 sampled token) loaded its 96 tokens again
+    assert load.token_ids == tuple(PROMPT[:96]) and load.first_block == 0
+    assert request.status == RequestStatus.RUNNING and request.num_computed_tokens == 101
+    page = load.block_ids[2]
+    assert torch.equal(setup.pages[LAYERS[1]][page], rows[1, 64:96].permute(1, 0, 2))
+
+
+def test_damaged_extent_is_reported_and_recomputed(setup: Setup, gateway: AssertionSigner) -> None:
+    store_for(setup, "acme")
+    for path in (setup.root / "blocks").rglob("*"):
+        if path.is_file() and path.stat().st_size > 4096:
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF  # inside the last layer's last segment
+            path.write_bytes(bytes(data))
+    request = setup.request("owner", params(gateway, "acme"))
+    _, meta, errors = setup.step()
+    (load,) = meta.loads
+    assert errors == set(load.block_ids)  # reported, so vLLM recomputes them
+    assert request.num_computed_tokens == 0  # rolled back to the first failed block
+    assert setup.kv.security_events().get("segment_open_failed", 0) >= 1
+    # the extent was dropped: the next lookup misses, and the recomputed prompt is saved again
+    _, meta, errors = setup.step(compute=True)
+    assert errors == set() and meta.loads == []
+    assert [save.request_id for save in meta.saves] == ["owner"]
+
+
+def test_load_never_asked_for_is_reported_not_left_half_done(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    store_for(setup, "acme")
+    setup.request("owner", params(gateway, "acme"))
+    output = setup.scheduler.schedule()
+    meta = output.kv_connector_metadata
+    (load,) = meta.loads
+    errors = setup.run_worker(meta, hooks=False)
+    assert errors == set(load.block_ids)  # vLLM recomputes them instead of reading zeros
