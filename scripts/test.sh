@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Lint, type-check, run the test suite, then check the package (scripts/check_package.sh).
-# Expects scripts/setup.sh to have run.
+# Lint, type-check, run the test suite, check the package (scripts/check_package.sh), then run
+# the engine tests (vLLM and SGLang in .venv-engines, built here by scripts/setup_engines.sh if
+# missing; about 2 min the first time, then seconds). Expects scripts/setup.sh to have run.
 # pytest's exit code 5 (no tests collected) is a failure here, not a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,13 @@ fi
 if [ "${TENANTKV_SKIP_PACKAGE_CHECK:-0}" = 1 ]; then
     echo "scripts/check_package.sh SKIPPED (TENANTKV_SKIP_PACKAGE_CHECK=1)" >&2
 elif ! bash scripts/check_package.sh; then
+    [ "$status" -ne 0 ] || status=1
+fi
+# The engine tests (tests_engines/, about 2 min) run in a venv of their own: vLLM is ~3.5 GB with
+# a torch build of its own. TENANTKV_SKIP_ENGINES=1 skips them, like the package check.
+if [ "${TENANTKV_SKIP_ENGINES:-0}" = 1 ]; then
+    echo "scripts/test_engines.sh SKIPPED (TENANTKV_SKIP_ENGINES=1)" >&2
+elif ! { bash scripts/setup_engines.sh && bash scripts/test_engines.sh; }; then
     [ "$status" -ne 0 ] || status=1
 fi
 exit "$status"
