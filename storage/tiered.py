@@ -37,7 +37,6 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 
 from typing_extensions import Buffer
 
@@ -170,14 +169,6 @@ class _TieredReader(ExtentReader):
         if self._reader is not None:
             self._reader.close()
             self._reader = None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class TieredBlockStore(BlockStore):
