@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
+
+import numpy as np
+import torch
 
 _local = threading.local()
 
@@ -29,22 +33,27 @@ def thread_buffer(size: int) -> memoryview:
 
 
 class RecyclingPool:
-    """Host buffers for fresh layer tensors, reused once the caller has let go of them.
+    """Host memory for fresh layer tensors, recycled once callers let go of it.
 
-    A layer handed to a caller is a tensor over a memoryview of one of these buffers (the view,
-    and ``torch.frombuffer``'s tensors and their views, keep the buffer referenced while they
-    live). When the caller drops the layer, the pool holds the only reference left, and the
-    buffer is reused for a later layer instead of faulting in fresh pages (which costs more than
-    decrypting on these machines, and makes glibc keep freed layers around). Buffers still
-    referenced by a caller are never handed out again. The pool keeps at most ``max_bytes``;
-    beyond that, layers are plain fresh allocations.
+    Fresh memory costs page faults: the kernel hands out new pages at 1-3 GB/s per thread on
+    the development VMs, slower than decrypting into them, so a load into fresh memory runs at a
+    fraction of one into memory the process already has (docs/perf.md). So the pool tracks every
+    buffer it hands out. A layer handed to a caller is a tensor over a memoryview of one of them
+    (the view, and ``torch.frombuffer``'s tensors and their views, keep the buffer referenced
+    while they live); once the caller drops the layer, the pool holds the only reference left,
+    the buffer is idle, and a later load reuses it instead of faulting in new pages. A buffer
+    still referenced by a caller is never handed out again. Buffers are allocated
+    uninitialised: a load decrypts over every byte before handing a layer over.
+
+    A caller that keeps whole prefixes (a model's cache) and lets them go between requests gets
+    the same memory back for the next request, however large. What no load reuses is released
+    when a load ends (:meth:`trim`): idle buffers beyond ``max_bytes`` go, oldest first.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._buffers: list[bytearray] = []
-        self._bytes = 0
+        self._buffers: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
 
     def buffer(self, nbytes: int) -> memoryview:
         """A writable byte view of ``nbytes`` with unspecified contents.
@@ -56,38 +65,48 @@ class RecyclingPool:
             reused = self._reuse(nbytes)
             if reused is not None:
                 return reused
-            if self._bytes + nbytes > self.max_bytes:
-                self._evict_idle(nbytes)
-            if self._bytes + nbytes > self.max_bytes:
-                return memoryview(bytearray(nbytes))
-            buffer = bytearray(nbytes)
+            # Memory the caller never touched: torch's allocator, uninitialised (a bytearray
+            # would be zero-filled first, one more pass over memory).
+            buffer = torch.empty(nbytes, dtype=torch.uint8).numpy()
             self._buffers.append(buffer)
-            self._bytes += nbytes
-            return memoryview(buffer)[:nbytes]
+            return memoryview(buffer)[:nbytes]  # type: ignore[arg-type]
 
     def _reuse(self, nbytes: int) -> memoryview | None:
         """A view of an idle pooled buffer that fits ``nbytes`` (not over twice as large).
 
         A helper of its own so that no local variable of the caller still refers to a buffer
-        when idle ones are counted for eviction.
+        when idle ones are counted.
         """
         for buffer in self._buffers:
             # References: the list, the loop variable and getrefcount's argument. A caller's
             # view or tensor would add one.
             if sys.getrefcount(buffer) == 3 and nbytes <= len(buffer) <= 2 * nbytes:
-                return memoryview(buffer)[:nbytes]
+                return memoryview(buffer)[:nbytes]  # type: ignore[arg-type]
         return None
 
-    def _evict_idle(self, needed: int) -> None:
-        """Drop idle buffers (oldest first) until ``needed`` more bytes fit."""
-        index = 0
-        while index < len(self._buffers) and self._bytes + needed > self.max_bytes:
-            if sys.getrefcount(self._buffers[index]) == 2:  # the list and the call's argument
-                self._bytes -= len(self._buffers.pop(index))
-            else:
-                index += 1
+    def trim(self) -> None:
+        """Release idle buffers, oldest first, until those left idle fit ``max_bytes``
+        (called when a load ends)."""
+        with self._lock:
+            idle = self._idle_bytes()
+            index = 0
+            while idle > self.max_bytes and index < len(self._buffers):
+                if sys.getrefcount(self._buffers[index]) == 2:  # the list and the argument
+                    idle -= len(self._buffers.pop(index))
+                else:
+                    index += 1
+
+    def _idle_bytes(self) -> int:
+        return sum(len(b) for b in self._buffers if sys.getrefcount(b) == 3)
 
     @property
     def pooled_bytes(self) -> int:
+        """Bytes of every buffer the pool tracks: held by callers, and idle."""
         with self._lock:
-            return self._bytes
+            return sum(len(buffer) for buffer in self._buffers)
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the buffers no caller holds any more."""
+        with self._lock:
+            return self._idle_bytes()

@@ -180,6 +180,11 @@ class LoadTarget:
             return LayerOutput(rows=out_rows, pair=None, result=entry)
         return LayerOutput(rows=None, pair=layout.strategy.out_pair(entry), result=entry)
 
+    def finish(self) -> None:
+        """The load is over: let the layer pool release what no load reuses."""
+        if self._host_pool is not None:
+            self._host_pool.trim()
+
     def place(self, output: LayerOutput, first_position: int, plain: torch.Tensor) -> None:
         """Copy a staged chunk (``[count * 64, token_bytes]`` uint8) to its destination rows.
 

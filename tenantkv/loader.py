@@ -714,6 +714,7 @@ class LoadStream:
             # Let go of layer buffers the caller was never handed.
             self._outputs = [None] * self.num_layers
             self._events = [None] * self.num_layers
+        self._target.finish()
         if self._on_close is not None:
             self._on_close(self)
         for reader in self._readers.values():
