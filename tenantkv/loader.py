@@ -590,6 +590,8 @@ class LoadStream:
                 ):
                     broken = self._broken  # every chunk taken has finished: nothing more comes
                     break
+                if self._help_with(index):
+                    continue
                 self._waiting_for = index
                 self._changed.wait()
                 self._caller_running.set()
@@ -625,6 +627,40 @@ class LoadStream:
             for tensor in self._tensors_of(output):
                 tensor.record_stream(current)
         return output.result
+
+    def _help_with(self, index: int) -> bool:
+        """Open the next chunk of layer ``index`` on the caller's own thread, if one is still
+        untaken and needs no staging slot (under the lock, released while opening).
+
+        The caller waits for this layer anyway: decrypting a share of it beats sleeping, and
+        it then needs no wake-up -- which on a busy machine costs the first layer a core and
+        the interpreter's lock taken back from the workers (docs/perf.md).
+        """
+        if self._needs_slot or self._broken is not None or self._next_layer() != index:
+            return False
+        taken = self._take()
+        if taken is None:
+            return False
+        layer, work = taken
+        self._lock.release()
+        try:
+            error = self._open_chunk(layer, work, None)
+        finally:
+            self._lock.acquire()
+        self._busy -= 1
+        if error is None:
+            self._chunk_done(layer)
+            return True
+        failure = self._record_error(error)
+        if self._broken is not None:
+            self._changed.notify_all()
+        if failure is not None:
+            self._lock.release()
+            try:
+                self._handle_failure(failure)
+            finally:
+                self._lock.acquire()
+        return True
 
     @staticmethod
     def _tensors_of(output: LayerOutput) -> list[torch.Tensor]:

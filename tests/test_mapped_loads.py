@@ -4,13 +4,17 @@ them into staging first: the same bytes, the same integrity checks, the same han
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
+from tenantkv import loader as loader_module
 from tenantkv.storage import LocalBlockStore
 from tenantkv.storage.local import file_system_type
 from tests.helpers import layers_equal, load_all, random_layers, random_tokens
@@ -141,3 +145,55 @@ def test_an_extent_unlinked_during_a_load_still_loads(cache: TenantKV, tmp_path:
                     path.unlink()
             got.append(layer)
     assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _slow_workers(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """Make chunks opened off the calling thread slow, so the caller, waiting for layer 0,
+    finds chunks of it untaken; return the set of threads that opened chunks."""
+    caller = threading.get_ident()
+    opened: set[int] = set()
+    open_chunk = loader_module.LoadStream._open_chunk
+
+    def recording(stream: Any, layer: int, work: Any, slot: Any) -> Any:
+        opened.add(threading.get_ident())
+        if threading.get_ident() != caller:
+            time.sleep(0.02)
+        return open_chunk(stream, layer, work, slot)
+
+    monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", recording)
+    return opened
+
+
+def test_the_caller_opens_chunks_of_the_layer_it_waits_for(
+    cache: TenantKV, map_reads: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=9)
+    want = random_layers(MLA, TOKENS, seed=10)
+    ns.store(tokens, want)
+    opened = _slow_workers(monkeypatch)
+    got = load_all(ns, tokens)
+    assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+    # Mapped reads into fresh layers need no staging slot: the caller helps. Staged reads
+    # need one, which only workers hold: the caller waits.
+    assert (threading.get_ident() in opened) is map_reads
+    assert len(opened - {threading.get_ident()}) >= 1
+
+
+def test_a_damaged_chunk_the_caller_opens_fails_the_load(
+    cache: TenantKV, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=11)
+    ns.store(tokens, random_layers(MLA, TOKENS, seed=12))
+    (path,) = _extent_files(tmp_path / "cache")
+    data = bytearray(path.read_bytes())
+    sealed = 64 * MLA.token_bytes + 16
+    for block in range(TOKENS // 64):  # every block of layer 0: whoever opens one, it fails
+        data[32 + sealed * block + 7] ^= 0x80
+    path.write_bytes(bytes(data))
+    _slow_workers(monkeypatch)
+    with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
+        stream.wait_for_layer(0)
+    assert caught.value.delivered_layers == 0
+    assert ns.lookup(tokens) == 0
