@@ -2,11 +2,21 @@
 
 ::
 
-    worker tasks (one per core, on the cache's loader pool), each with one staging-ring slot:
-        take the next chunk in layer order ─► read its ciphertext into the slot (one range read)
-        ─► decrypt_into the layer's destination (or into the slot, then copy: MHA out=, and
-           CUDA on the load's stream) ─► count it done; after a layer's last chunk, wake the
-           caller if it waits for that layer ─► take the next chunk
+    worker tasks (one per core, on the cache's loader pool), each with one staging-ring slot
+    when it needs one:
+        take the next chunk in layer order ─► its ciphertext: a slice of the extent's mapping
+           (local files: the page cache's own pages), or else read into the slot (one range
+           read) ─► decrypt_into the layer's destination (or into the slot, then copy: MHA
+           out=, and CUDA on the load's stream) ─► drop the mapped pages from the process's
+           resident set ─► count it done; after a layer's last chunk, wake the caller if it
+           waits for that layer ─► take the next chunk
+    the caller, waiting for a layer of which chunks are still untaken (mapped, no slot needed):
+        open them itself, then wait for the rest
+
+Decrypting straight out of the mapping makes one pass over memory fewer than reading into a
+slot and decrypting from there: loads are bound by memory traffic, not by AES, on the machines
+measured (docs/perf.md). A load into fresh CPU layers or MLA ``out=`` buffers then uses no
+staging slot at all.
 
 A layer is split into equal chunks of consecutive segments that fit one staging slot. A load runs
 ``workers`` tasks that pull chunks from the load's own sequence (layer 0, then 1, ...), so while
