@@ -72,17 +72,30 @@ class RecyclingPool:
             return memoryview(buffer)[:nbytes]  # type: ignore[arg-type]
 
     def _reuse(self, nbytes: int) -> memoryview | None:
-        """A view of an idle pooled buffer that fits ``nbytes`` (not over twice as large).
+        """A view of the smallest idle pooled buffer that fits ``nbytes`` (not over twice as
+        large: a caller keeping a short layer must not pin a long one's memory).
 
         A helper of its own so that no local variable of the caller still refers to a buffer
         when idle ones are counted.
         """
-        for buffer in self._buffers:
-            # References: the list, the loop variable and getrefcount's argument. A caller's
-            # view or tensor would add one.
-            if sys.getrefcount(buffer) == 3 and nbytes <= len(buffer) <= 2 * nbytes:
-                return memoryview(buffer)[:nbytes]  # type: ignore[arg-type]
-        return None
+        best = -1
+        for index in range(len(self._buffers)):
+            buffer = self._buffers[index]
+            # References: the list, the local variable and getrefcount's argument. A caller's
+            # view or tensor would add one. (Not ``enumerate``: its reused result tuple would
+            # hold one more.)
+            size = len(buffer)
+            if (
+                sys.getrefcount(buffer) == 3
+                and nbytes <= size <= 2 * nbytes
+                and (best < 0 or size < len(self._buffers[best]))
+            ):
+                best = index
+                if size == nbytes:
+                    break
+        if best < 0:
+            return None
+        return memoryview(self._buffers[best])[:nbytes]  # type: ignore[arg-type]
 
     def trim(self) -> None:
         """Release idle buffers, oldest first, until those left idle fit ``max_bytes``

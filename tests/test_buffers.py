@@ -72,3 +72,14 @@ def test_layers_kept_beyond_the_budget_are_reused_by_the_next_load() -> None:
     gc.collect()
     pool.trim()
     assert pool.idle_bytes == 4096 and pool.pooled_bytes == 4096
+
+
+def test_the_smallest_idle_buffer_that_fits_is_reused() -> None:
+    pool = RecyclingPool(max_bytes=1 << 20)
+    larger, exact = pool.buffer(7000), pool.buffer(4096)
+    addresses = _address(larger), _address(exact)
+    del larger, exact
+    gc.collect()
+    first = pool.buffer(4000)
+    assert _address(first) == addresses[1]  # both fit; the smaller one is taken
+    assert _address(pool.buffer(4000)) == addresses[0]  # while the smaller one is held
