@@ -10,12 +10,15 @@ time, so the buffer is never shared.
 
 from __future__ import annotations
 
-import sys
+import collections
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
+
+_Buffer = np.ndarray[Any, np.dtype[np.uint8]]
 
 _local = threading.local()
 
@@ -37,13 +40,14 @@ class RecyclingPool:
 
     Fresh memory costs page faults: the kernel hands out new pages at 1-3 GB/s per thread on
     the development VMs, slower than decrypting into them, so a load into fresh memory runs at a
-    fraction of one into memory the process already has (docs/perf.md). So the pool tracks every
-    buffer it hands out. A layer handed to a caller is a tensor over a memoryview of one of them
-    (the view, and ``torch.frombuffer``'s tensors and their views, keep the buffer referenced
-    while they live); once the caller drops the layer, the pool holds the only reference left,
-    the buffer is idle, and a later load reuses it instead of faulting in new pages. A buffer
-    still referenced by a caller is never handed out again. Buffers are allocated
-    uninitialised: a load decrypts over every byte before handing a layer over.
+    fraction of one into memory the process already has (docs/perf.md). A layer handed to a
+    caller is a tensor over a memoryview of a view of one of the pool's buffers (the memoryview,
+    and ``torch.frombuffer``'s tensors and their views, keep that view alive while they live).
+    When the last of them goes, a finalizer gives the buffer back, and a later load reuses it
+    instead of faulting in new pages; a buffer still referenced by a caller is never handed out
+    again. The pool never holds a reference to a lent buffer's view, so it costs nothing per
+    layer callers keep. Buffers are allocated uninitialised: a load decrypts over every byte
+    before handing a layer over.
 
     A caller that keeps whole prefixes (a model's cache) and lets them go between requests gets
     the same memory back for the next request, however large. What no load reuses is released
@@ -53,7 +57,11 @@ class RecyclingPool:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._buffers: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+        self._idle: list[_Buffer] = []  # oldest first
+        self._lent_bytes = 0  # of buffers lent and not yet back in ``_idle``
+        # Buffers given back by finalizers, which run in whichever thread dropped the last
+        # reference, possibly one inside this pool's lock: a deque's append needs no lock.
+        self._returned: collections.deque[_Buffer] = collections.deque()
 
     def buffer(self, nbytes: int) -> memoryview:
         """A writable byte view of ``nbytes`` with unspecified contents.
@@ -62,64 +70,55 @@ class RecyclingPool:
         from being handed out again while it lives.
         """
         with self._lock:
-            reused = self._reuse(nbytes)
-            if reused is not None:
-                return reused
-            # Memory the caller never touched: torch's allocator, uninitialised (a bytearray
-            # would be zero-filled first, one more pass over memory).
-            buffer = torch.empty(nbytes, dtype=torch.uint8).numpy()
-            self._buffers.append(buffer)
-            return memoryview(buffer)[:nbytes]  # type: ignore[arg-type]
+            self._collect_returned()
+            buffer = self._take_idle(nbytes)
+            if buffer is None:
+                # Memory the caller never touched: torch's allocator, uninitialised (a
+                # bytearray would be zero-filled first, one more pass over memory).
+                buffer = torch.empty(nbytes, dtype=torch.uint8).numpy()
+            self._lent_bytes += len(buffer)
+            lent = buffer[:nbytes]
+            finalizer = weakref.finalize(lent, self._returned.append, buffer)
+            finalizer.atexit = False
+            return memoryview(lent)  # type: ignore[arg-type]
 
-    def _reuse(self, nbytes: int) -> memoryview | None:
-        """A view of the smallest idle pooled buffer that fits ``nbytes`` (not over twice as
-        large: a caller keeping a short layer must not pin a long one's memory).
+    def _collect_returned(self) -> None:
+        while self._returned:
+            buffer = self._returned.popleft()
+            self._lent_bytes -= len(buffer)
+            self._idle.append(buffer)
 
-        A helper of its own so that no local variable of the caller still refers to a buffer
-        when idle ones are counted.
-        """
+    def _take_idle(self, nbytes: int) -> _Buffer | None:
+        """The smallest idle buffer that fits ``nbytes`` (not over twice as large: a caller
+        keeping a short layer must not pin a long one's memory), taken out of the idle list."""
         best = -1
-        for index in range(len(self._buffers)):
-            buffer = self._buffers[index]
-            # References: the list, the local variable and getrefcount's argument. A caller's
-            # view or tensor would add one. (Not ``enumerate``: its reused result tuple would
-            # hold one more.)
+        for index, buffer in enumerate(self._idle):
             size = len(buffer)
-            if (
-                sys.getrefcount(buffer) == 3
-                and nbytes <= size <= 2 * nbytes
-                and (best < 0 or size < len(self._buffers[best]))
-            ):
+            if nbytes <= size <= 2 * nbytes and (best < 0 or size < len(self._idle[best])):
                 best = index
                 if size == nbytes:
                     break
-        if best < 0:
-            return None
-        return memoryview(self._buffers[best])[:nbytes]  # type: ignore[arg-type]
+        return self._idle.pop(best) if best >= 0 else None
 
     def trim(self) -> None:
         """Release idle buffers, oldest first, until those left idle fit ``max_bytes``
         (called when a load ends)."""
         with self._lock:
-            idle = self._idle_bytes()
-            index = 0
-            while idle > self.max_bytes and index < len(self._buffers):
-                if sys.getrefcount(self._buffers[index]) == 2:  # the list and the argument
-                    idle -= len(self._buffers.pop(index))
-                else:
-                    index += 1
-
-    def _idle_bytes(self) -> int:
-        return sum(len(b) for b in self._buffers if sys.getrefcount(b) == 3)
+            self._collect_returned()
+            idle = sum(len(buffer) for buffer in self._idle)
+            while idle > self.max_bytes:
+                idle -= len(self._idle.pop(0))
 
     @property
     def pooled_bytes(self) -> int:
-        """Bytes of every buffer the pool tracks: held by callers, and idle."""
+        """Bytes of every buffer the pool has: lent to callers, and idle."""
         with self._lock:
-            return sum(len(buffer) for buffer in self._buffers)
+            self._collect_returned()
+            return self._lent_bytes + sum(len(buffer) for buffer in self._idle)
 
     @property
     def idle_bytes(self) -> int:
         """Bytes of the buffers no caller holds any more."""
         with self._lock:
-            return self._idle_bytes()
+            self._collect_returned()
+            return sum(len(buffer) for buffer in self._idle)
