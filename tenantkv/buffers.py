@@ -51,7 +51,8 @@ class RecyclingPool:
 
     A caller that keeps whole prefixes (a model's cache) and lets them go between requests gets
     the same memory back for the next request, however large. What no load reuses is released
-    when a load ends (:meth:`trim`): idle buffers beyond ``max_bytes`` go, oldest first.
+    when a load ends (:meth:`trim`): idle buffers beyond ``max_bytes`` -- or beyond the few
+    layers that load fills at once, if more -- go, oldest first.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -100,13 +101,14 @@ class RecyclingPool:
                     break
         return self._idle.pop(best) if best >= 0 else None
 
-    def trim(self) -> None:
-        """Release idle buffers, oldest first, until those left idle fit ``max_bytes``
-        (called when a load ends)."""
+    def trim(self, keep: int = 0) -> None:
+        """Release idle buffers, oldest first, until those left idle fit ``max_bytes``, or
+        ``keep`` bytes if more (called when a load ends)."""
         with self._lock:
             self._collect_returned()
+            limit = max(self.max_bytes, keep)
             idle = sum(len(buffer) for buffer in self._idle)
-            while idle > self.max_bytes:
+            while idle > limit:
                 idle -= len(self._idle.pop(0))
 
     @property

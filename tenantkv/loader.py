@@ -760,7 +760,9 @@ class LoadStream:
             # Let go of layer buffers the caller was never handed.
             self._outputs = [None] * self.num_layers
             self._events = [None] * self.num_layers
-        self._target.finish()
+        # Layers a load fills at once: the window ahead of the caller, the one being filled, and
+        # the one the caller holds.
+        self._target.finish(layers_in_flight=self._window + 2)
         if self._on_close is not None:
             self._on_close(self)
         for reader in self._readers.values():

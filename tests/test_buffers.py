@@ -83,3 +83,14 @@ def test_the_smallest_idle_buffer_that_fits_is_reused() -> None:
     first = pool.buffer(4000)
     assert _address(first) == addresses[1]  # both fit; the smaller one is taken
     assert _address(pool.buffer(4000)) == addresses[0]  # while the smaller one is held
+
+
+def test_trim_keeps_what_the_caller_asks_for_beyond_the_budget() -> None:
+    pool = RecyclingPool(max_bytes=4096)
+    held = [pool.buffer(4096) for _ in range(4)]
+    del held
+    gc.collect()
+    pool.trim(keep=3 * 4096)  # a load with three long layers in flight keeps them for the next
+    assert pool.idle_bytes == 3 * 4096
+    pool.trim()
+    assert pool.idle_bytes == 4096
