@@ -131,14 +131,7 @@ def locate_blocks(
         values[f"key{index}"] = key
     for index in range(len(keys), bucket):
         values[f"key{index}"] = keys[-1]  # padding: a repeated key matches no extra row
-    # The driver's own cursor, in the connection's transaction: SQLAlchemy's result rows cost
-    # about a third of the query's time again at a few hundred rows (docs/perf.md).
-    cursor = connection.connection.cursor()
-    try:
-        cursor.execute(query.sql, query.parameters(values))
-        rows = cursor.fetchall()
-    finally:
-        cursor.close()
+    result = connection.exec_driver_sql(query.sql, query.parameters(values))
     for (
         block_key,
         extent_id,
@@ -150,7 +143,7 @@ def locate_blocks(
         num_layers,
         segment_bytes,
         wrapped_key,
-    ) in rows:
+    ) in result:
         # Driver values: some drivers return binary columns as memoryview, not bytes.
         located[bytes(block_key)] = (extent_id, slot)
         if extent_id not in extents:
