@@ -18,7 +18,9 @@ import pytest
 from tenantkv.storage import BlockStore, LocalBlockStore, TieredBlockStore
 
 REDIS_URL = os.environ.get("TENANTKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-BACKENDS = ("local", "redis", "tiered")
+#: ``local`` maps extents for reading where the file system allows it (the default);
+#: ``local-preadv`` reads them with ``preadv`` (``map_reads=False``).
+BACKENDS = ("local", "local-preadv", "redis", "tiered")
 
 
 def redis_client() -> Any:
@@ -56,8 +58,8 @@ def redis_keys(prefix: str) -> list[bytes]:
 
 def make_store(kind: str, root: Path, prefix: str) -> BlockStore:
     """A fresh store of ``kind`` (non-durable: tests) on ``root`` and/or under ``prefix``."""
-    if kind == "local":
-        return LocalBlockStore(root, durable=False)
+    if kind in ("local", "local-preadv"):
+        return LocalBlockStore(root, durable=False, map_reads=kind == "local")
     redis_client().close()  # skip cleanly without redis-py
     from tenantkv.storage.redis_store import RedisBlockStore
 

@@ -97,7 +97,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
             writer.abort()
         self.store.close()
         shutil.rmtree(self.root, ignore_errors=True)
-        if self.backend != "local":
+        if not self.backend.startswith("local"):
             drop_prefix(self.prefix)
 
     # -- writes --------------------------------------------------------------------------------
@@ -262,6 +262,10 @@ class BlockStoreMachine(RuleBasedStateMachine):
                 assert reader.size == len(data)
 
 
+class PreadvBlockStoreMachine(BlockStoreMachine):
+    backend = "local-preadv"
+
+
 class RedisBlockStoreMachine(BlockStoreMachine):
     backend = "redis"
 
@@ -279,9 +283,11 @@ _MACHINE_SETTINGS = settings(
 # Network round trips make the Redis-backed runs slower per step: fewer examples, same steps.
 _NETWORK_SETTINGS = settings(_MACHINE_SETTINGS, max_examples=20)
 BlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
+PreadvBlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
 RedisBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
 TieredBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
 TestBlockStoreMachine = BlockStoreMachine.TestCase
+TestPreadvBlockStoreMachine = PreadvBlockStoreMachine.TestCase
 TestRedisBlockStoreMachine = RedisBlockStoreMachine.TestCase
 TestTieredBlockStoreMachine = TieredBlockStoreMachine.TestCase
 
@@ -315,7 +321,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
         yield backend
     finally:
         backend.close()
-        if request.param != "local":
+        if not request.param.startswith("local"):
             drop_prefix(prefix)
 
 
