@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build bench/peers/.venv: the peer benchmark's own venv (LMCache, safetensors, matplotlib beside
 # tenantkv), kept out of the project's venv and dependencies. Idempotent; safe to run again.
-# About 1.5 min on a fresh venv here (pip's local wheel cache warm).
+# Measured: 60 s for a fresh venv on the 2-core dev VM with pip's cache warm (a cold cache also
+# downloads about 0.5 GB: numba/llvmlite, transformers, matplotlib).
 #
 # Order matters:
 #   1. torch==2.13.0 first: the CPU build on this machine; a looser spec fetches GBs of CUDA;
