@@ -153,7 +153,7 @@ def run_size(
         *S.raw_systems(fds, offsets, bufs, pool, zero),
         S.encrypted_limit_system(enc_fd, bufs, shape, cipher, pool, zero),
         lmc_system,
-        *S.safetensors_systems(st_dir, shape),
+        *S.safetensors_systems(st_dir, shape, bufs, zero),
         S.torch_save_system(torch_path),
     ]
     for cache in caches:
@@ -163,6 +163,7 @@ def run_size(
         print(f"{label} warm-up: one checked load of each of {len(systems)} systems", flush=True)
         for system in systems:
             one_load(system, want, timed=False)
+        check_the_check(systems[0], want)
         print(f"{label} timing {reps} rounds (order rotates each round) ...", flush=True)
         for r in range(reps):
             order = systems[r % len(systems) :] + systems[: r % len(systems)]
@@ -179,6 +180,20 @@ def run_size(
     return run
 
 
+def check_the_check(system: S.System, want: Sequence[torch.Tensor]) -> None:
+    """Positive control: the byte check rejects a load with one flipped bit in its last byte."""
+    loaded, _first, _total = system.run()
+    last = system.layers(loaded)[-1][-1].view(torch.uint8).view(-1)
+    last[-1] ^= 1
+    try:
+        verify(system, loaded, want, chunked=False)
+    except AssertionError:
+        return
+    finally:
+        system.release(loaded)
+    raise AssertionError("the byte check accepted a load with a flipped bit")
+
+
 def _timed_total(load: Callable[[], Any]) -> tuple[Any, float, float]:
     t0 = time.perf_counter()
     got = load()
@@ -192,11 +207,13 @@ def one_load(system: S.System, want: Sequence[torch.Tensor], *, timed: bool) -> 
 
     system.prepare()
     gc.collect()
+    before = storage_read_bytes()
     gc.disable()
     try:
         loaded, first, total = system.run()
     finally:
         gc.enable()
+    cold = storage_read_bytes() - before
     try:
         verify(system, loaded, want, chunked=system.group == "lmcache")
     finally:
@@ -205,6 +222,23 @@ def one_load(system: S.System, want: Sequence[torch.Tensor], *, timed: bool) -> 
     if timed:
         system.seconds.append(total)
         system.first_layer.append(first)
+        system.cold_bytes.append(cold)
+
+
+def storage_read_bytes() -> int:
+    """Bytes this process has had fetched from storage (``/proc/self/io`` ``read_bytes``).
+
+    A load from a warm page cache fetches none; a positive delta around a load means some of
+    its files had been evicted (memory pressure), and the table shows it.
+    """
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 # --------------------------------------------------------------------------- #
@@ -345,6 +379,7 @@ def measure_tenants(
                     "aggregate_gbps": total / elapsed / GB,
                     "loads": len(every),
                     "loads_per_tenant": [len(lat) for lat in latencies],
+                    "latencies_s": [list(lat) for lat in latencies],
                     "p50_ms": percentile(every, 0.50) * 1e3,
                     "p99_ms": percentile(every, 0.99) * 1e3,
                     "min_share": min(shares),
@@ -368,10 +403,12 @@ def run_window(
 ) -> tuple[list[list[float]], list[int], float]:
     """Every tenant's thread loads back to back until ``window`` seconds have passed.
 
-    Returns per-tenant load latencies, per-tenant bytes loaded, and the elapsed time (the
-    window plus the loads still running when it closed).
+    Returns per-tenant load latencies (every load, including those that end after the window),
+    per-tenant bytes received within the window (counted per layer, so a share is not rounded
+    to whole loads), and the window's length as measured.
     """
     n = len(work)
+    layer_bytes = nbytes // LAYERS
     latencies: list[list[float]] = [[] for _ in range(n)]
     loaded_bytes = [0] * n
     barrier = threading.Barrier(n + 1)
@@ -388,10 +425,10 @@ def run_window(
                     b[-1].fill_(0)
                 t0 = time.perf_counter()
                 with ns.load(ids, out=bufs) as stream:
-                    for _ in stream:
-                        pass
+                    for _ in stream:  # a layer counts for the share if it came in the window
+                        if time.perf_counter() <= stop_at[0]:
+                            loaded_bytes[t] += layer_bytes
                 latencies[t].append(time.perf_counter() - t0)
-                loaded_bytes[t] += nbytes
                 for b, w in zip(bufs, want, strict=True):
                     if not (S.same_bits(b[0], w[0]) and S.same_bits(b[-1], w[-1])):
                         raise AssertionError(f"tenant {t}: a load returned wrong bytes")
@@ -406,7 +443,7 @@ def run_window(
     barrier.wait()
     for th in threads:
         th.join()
-    elapsed = time.perf_counter() - t_start
+    elapsed = stop_at[0] - t_start
     if errors:
         raise errors[0]
     return latencies, loaded_bytes, elapsed
@@ -445,7 +482,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS)
     ap.add_argument("--lookup-reps", type=int, default=20)
     ap.add_argument("--tenant-tokens", type=int, default=2048)
-    ap.add_argument("--tenant-window", type=float, default=5.0, help="seconds per rep")
+    ap.add_argument("--tenant-window", type=float, default=10.0, help="seconds per rep")
     ap.add_argument("--tenant-reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the data goes (default: system temp)")
