@@ -10,8 +10,10 @@ For each prefix size (a DeepSeek-V3-shaped prefix: 61 layers x T tokens x 576 bf
 per token per layer), every system of ``systems.py`` and ``lmcache_peer.py`` loads it from a warm
 page cache into CPU memory. One untimed warm-up load of each system is checked byte for byte
 against the original; then ``--reps`` rounds, each timing one load of every system (the order
-rotates by one system per round, so drifting machine load and cache state hit all alike), and
-after each timed load, untimed, every loaded byte is compared with the original.
+alternates: forward, then backward, so drifting machine load hits all alike and every system
+sits in the middle on average; a backward round starts with the files the forward round used
+last, which the page cache still holds when memory is short), and after each timed load,
+untimed, every loaded byte is compared with the original.
 
 Then: a 128K-token lookup (2,048 blocks, all hits) in tenantkv against a vLLM-style sha256 chain
 and LMCache's token database; and 16 tenants of one TenantKV loading at once for a fixed window.
@@ -164,9 +166,9 @@ def run_size(
         for system in systems:
             one_load(system, want, timed=False)
         check_the_check(systems[0], want)
-        print(f"{label} timing {reps} rounds (order rotates each round) ...", flush=True)
+        print(f"{label} timing {reps} rounds (forward, backward, ...) ...", flush=True)
         for r in range(reps):
-            order = systems[r % len(systems) :] + systems[: r % len(systems)]
+            order = systems if r % 2 == 0 else systems[::-1]
             run.order.append([key(s) for s in order])
             for system in order:
                 one_load(system, want, timed=True)

@@ -23,6 +23,9 @@ TARGET_FRESH_VS_OUT = 0.8  # fresh tensors kept / out= >= 0.8
 TARGET_LOOKUP_MS = 2.0  # 128K-token lookup on SQLite
 TARGET_P99_P50 = 3.0
 TARGET_SLOWEST_SHARE = 0.5  # x a fair share (1/16)
+# A timed load that fetched more than this share of the prefix from storage was partly a cold
+# read (memory pressure evicted some of its files): its row and the ratios using it are flagged.
+COLD_SHARE = 0.05
 
 COLOURS = {
     "raw": "#8c8c8c",
@@ -56,6 +59,16 @@ def find(run: Any, group: str, startswith: str = "") -> list[Any]:
 
 def verdict(ok: bool) -> str:
     return "meets" if ok else "MISSES"
+
+
+def is_cold(s: Any, nbytes: int) -> bool:
+    """Did any timed load of ``s`` fetch more than COLD_SHARE of the prefix from storage?"""
+    return bool(s.cold_bytes) and max(s.cold_bytes) > COLD_SHARE * nbytes
+
+
+def conditions(nbytes: int, *systems: Any) -> str:
+    cold = [s.name for s in systems if is_cold(s, nbytes)]
+    return "warm" if not cold else "COLD reads in " + " and ".join(cold)
 
 
 # --------------------------------------------------------------------------- #
@@ -92,13 +105,13 @@ def size_rows(run: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def targets(run: Any) -> list[tuple[str, float, str, str]]:
-    """(what, ratio of medians, target, verdict) for one size."""
+def targets(run: Any) -> list[tuple[str, float, str, str, str]]:
+    """(what, ratio of medians, target, verdict, cache conditions) for one size."""
     nbytes = run.shape.total_bytes
     lmc = find(run, "lmcache")[0]
     lmc_gbps = statistics.median(gbps(lmc, nbytes))
     lmc_ttfl = statistics.median(lmc.first_layer)
-    out: list[tuple[str, float, str, str]] = []
+    out: list[tuple[str, float, str, str, str]] = []
     tkv = find(run, "tenantkv")
     suites = sorted({s.name.split(",")[0] for s in tkv})
     for suite in suites:
@@ -106,7 +119,13 @@ def targets(run: Any) -> list[tuple[str, float, str, str]]:
         for mode, s in by_mode.items():
             r = statistics.median(gbps(s, nbytes)) / lmc_gbps
             out.append(
-                (f"{suite} {mode}: load / LMCache load", r, ">= 1", verdict(r >= TARGET_VS_LMCACHE))
+                (
+                    f"{suite} {mode}: load / LMCache load",
+                    r,
+                    ">= 1",
+                    verdict(r >= TARGET_VS_LMCACHE),
+                    conditions(nbytes, s, lmc),
+                )
             )
         for mode, s in by_mode.items():
             r = statistics.median(s.first_layer) / lmc_ttfl
@@ -116,6 +135,7 @@ def targets(run: Any) -> list[tuple[str, float, str, str]]:
                     r,
                     "<= 0.1",
                     verdict(r <= TARGET_TTFL_VS_LMCACHE),
+                    conditions(nbytes, s, lmc),
                 )
             )
         if "out=" in by_mode and "fresh kept" in by_mode:
@@ -123,7 +143,13 @@ def targets(run: Any) -> list[tuple[str, float, str, str]]:
                 gbps(by_mode["out="], nbytes)
             )
             out.append(
-                (f"{suite}: fresh kept / out=", r, ">= 0.8", verdict(r >= TARGET_FRESH_VS_OUT))
+                (
+                    f"{suite}: fresh kept / out=",
+                    r,
+                    ">= 0.8",
+                    verdict(r >= TARGET_FRESH_VS_OUT),
+                    conditions(nbytes, by_mode["fresh kept"], by_mode["out="]),
+                )
             )
     return out
 
@@ -154,8 +180,8 @@ def print_size(run: Any) -> None:
         f"{len(run.systems[0].seconds)} rounds (median TTFL; ratios of median GB/s)"
     )
     print(format_size_table(run))
-    for what, r, target, v in targets(run):
-        print(f"  {what:<55} {r:>8.3f}  target {target:<6} {v}")
+    for what, r, target, v, cond in targets(run):
+        print(f"  {what:<55} {r:>8.3f}  target {target:<6} {v:<6}  {cond}")
     print(flush=True)
 
 
@@ -327,8 +353,10 @@ def build(
         " per layer; 8K tokens = 575.7 MB, 32K = 2,302.7 MB). GB/s = plaintext bytes / s,"
         " 1 GB = 1e9 B. Every system loads from files in a warm page cache (written just before,"
         " nothing dropped) into CPU memory.",
-        "- Order: a round times one load of every system; the order rotates by one system per"
-        " round, so drift in machine load falls on all systems alike.",
+        "- Order: a round times one load of every system; rounds alternate forward and backward"
+        " through the systems, so drift in machine load falls on all alike and each system's"
+        " average position is the middle (a backward round also starts with the files the page"
+        " cache touched last). The order of every round is in peers.json.",
         "- Verification: after every timed load, untimed, every loaded byte is compared with the"
         " original (reused destinations are zeroed before each load, so stale bytes cannot pass);"
         " the untimed warm-up load of each system is checked the same way, and once per size a"
@@ -390,9 +418,22 @@ def build(
         )
         md += ["", f"Targets at {lab} (ratios of medians):", ""]
         tg = targets(run)
+        cold_rows = [s.name for s in run.systems if is_cold(s, run.shape.total_bytes)]
+        if cold_rows:
+            md += [
+                f"**Not a warm page cache at {lab}:** timed loads of {len(cold_rows)} systems"
+                f" fetched more than {COLD_SHARE:.0%} of the prefix from storage (column `MB from"
+                f" storage`): {', '.join(cold_rows)}. This machine's memory did not hold every"
+                " system's files at once (memory available before the rounds:"
+                f" {run.mem_available_gib:.1f} GiB), so these rows and the ratios that use them"
+                " measure partly cold reads, not the systems side by side. Rerun this size on a"
+                " machine with more free memory.",
+                "",
+            ]
         md.append(
             md_table(
-                ["ratio", "value", "target", "verdict"], [[w, f3(r), t, v] for w, r, t, v in tg]
+                ["ratio", "value", "target", "verdict", "page cache"],
+                [[w, f3(r), t, v, c] for w, r, t, v, c in tg],
             )
         )
         md.append("")
@@ -404,7 +445,8 @@ def build(
                 "order": run.order,
                 "systems": rows,
                 "targets": [
-                    {"what": w, "ratio": r, "target": t, "verdict": v} for w, r, t, v in tg
+                    {"what": w, "ratio": r, "target": t, "verdict": v, "page_cache": c}
+                    for w, r, t, v, c in tg
                 ],
             }
         )
