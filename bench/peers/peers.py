@@ -491,6 +491,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="plots and JSON (default bench/peers/results)")
     ap.add_argument("--benchmarks", default=None, help="default: BENCHMARKS.md at the root")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 rep: seconds")
+    ap.add_argument(
+        "--replot",
+        metavar="PEERS_JSON",
+        help="only redraw loads.png (into --out) from a run's peers.json, measuring nothing",
+    )
     args = ap.parse_args(argv)
     args.scratch_out = None
     if args.smoke:
@@ -509,6 +514,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text(encoding="utf-8"))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        report.plot_loads(data["sizes"], Path(args.out) / "loads.png")
+        print(f"redrew {Path(args.out) / 'loads.png'} from {args.replot}")
+        return 0
     import tenantkv
 
     sizes = [int(x) for x in str(args.tokens).split(",") if x]
