@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Lint, type-check, run the test suite, check the package (scripts/check_package.sh), then run
 # the engine tests (vLLM and SGLang in .venv-engines, built here by scripts/setup_engines.sh if
-# missing; about 2 min the first time, then seconds). Expects scripts/setup.sh to have run.
+# missing; about 2 min the first time, then seconds), then the peer benchmark's smoke run
+# (bench/peers/.venv, built by bench/peers/setup.sh if missing; about 1-2 min the first time,
+# then ~20 s). Expects scripts/setup.sh to have run.
 # pytest's exit code 5 (no tests collected) is a failure here, not a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,14 @@ fi
 if [ "${TENANTKV_SKIP_ENGINES:-0}" = 1 ]; then
     echo "scripts/test_engines.sh SKIPPED (TENANTKV_SKIP_ENGINES=1)" >&2
 elif ! { bash scripts/setup_engines.sh && bash scripts/test_engines.sh; }; then
+    [ "$status" -ne 0 ] || status=1
+fi
+# The peer benchmark (bench/peers/: LMCache, safetensors, torch.save beside tenantkv) in its own
+# venv, so that its scripts never rot: bench/peers/test_smoke.sh builds bench/peers/.venv when it
+# is missing or stale and runs peers.py --smoke. TENANTKV_SKIP_PEERS=1 skips it.
+if [ "${TENANTKV_SKIP_PEERS:-0}" = 1 ]; then
+    echo "bench/peers/test_smoke.sh SKIPPED (TENANTKV_SKIP_PEERS=1)" >&2
+elif ! bash bench/peers/test_smoke.sh; then
     [ "$status" -ne 0 ] || status=1
 fi
 exit "$status"
