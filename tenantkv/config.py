@@ -86,8 +86,8 @@ class CacheConfig:
     #: Host memory kept for recycling fresh CPU layers once callers drop them.
     layer_pool_bytes: int = 256 * MiB
     #: Block keys this node's lookups keep, over all namespaces, so that a lookup asks the index
-    #: one statement instead of thousands of keys (``tenantkv.lookup_cache``; about 120 bytes
-    #: each, so the default bounds it near 30 MiB). 0 turns it off.
+    #: one statement instead of thousands of keys (``tenantkv.lookup_cache``; about 100 bytes
+    #: each, so the default bounds it near 25 MiB). 0 turns it off.
     lookup_cache_keys: int = 262_144
     #: Quota of a tenant created without one.
     default_quota_bytes: int = 2**30

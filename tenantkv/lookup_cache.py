@@ -19,9 +19,10 @@ one statement only (``index.blocks.check_lookup``): the namespace's removal coun
 * **Per namespace, strictly.** Keys are held in one dictionary per namespace id and a lookup
   reads only its own namespace's; block keys are keyed hashes (``tenantkv.prefix``), so equal
   keys in two namespaces could not even mean equal tokens.
-* **Bounded memory.** At most ``max_keys`` keys in all (``CacheConfig.lookup_cache_keys``;
-  about 120 bytes each in CPython: a 32-byte ``bytes`` object, a dictionary slot and its share
-  of a float). When a namespace's new keys would exceed the bound, the least recently looked-up
+* **Bounded memory.** At most ``max_keys`` keys in all (``CacheConfig.lookup_cache_keys``,
+  default 262,144: 128 prompts of 128K tokens). Each costs about 100 bytes in CPython (a
+  32-byte ``bytes`` object, a dictionary slot, its share of a float; tracemalloc: 25 MiB for
+  262,144 keys). When a namespace's new keys would exceed the bound, the least recently looked-up
   namespaces are dropped whole; a namespace that alone exceeds it keeps only the latest keys
   found. Dropping only makes that namespace's next lookup ask the index about every key: which
   namespaces are dropped depends on how many keys others hold, never on which prefixes.

@@ -16,6 +16,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -126,7 +127,14 @@ class Namespace:
         """Block keys of ``tokens``: an unedited prefix's, or those of the edited prefix
         ``origin`` (see :meth:`edited` and ``tenantkv.prefix``): the parent's keys for the
         blocks the edit did not touch, then the edited chain."""
-        token_array = as_token_array(tokens)
+        token_array = (
+            tokens  # already what as_token_array makes (lookup and store pass theirs)
+            if isinstance(tokens, np.ndarray)
+            and tokens.dtype == np.uint32
+            and tokens.ndim == 1
+            and tokens.flags.c_contiguous
+            else as_token_array(tokens)
+        )
         fingerprint = self.identity.fingerprint
         if origin is None:
             return block_keys(self._hash_key, fingerprint, token_array, self.block_tokens)
