@@ -177,9 +177,18 @@ def make_probes(
     prompt: Sequence[int], block_tokens: int, n: int, rng: random.Random
 ) -> list[tuple[str, list[int]]]:
     """``n`` shared probes (``prompt`` with its last block replaced, each with its own random
-    block) and ``n`` fresh probes of the same length, shuffled together."""
+    block) and ``n`` fresh probes of the same length, shuffled together.
+
+    Every probe is made of new int objects, as a request parsed off the network is: shared
+    probes that reused one list's objects ran ~5 us faster than fresh ones in the attacker's
+    own process with no victim at all (the same objects, hot in the CPU caches, through the
+    token conversion), which the audit then took for a leak once a lookup's own spread fell
+    below that (docs/perf.md, "Timing side channel audit")."""
     keep = list(prompt[: len(prompt) - block_tokens])
-    probes = [("shared", keep + random_tokens(rng, block_tokens)) for _ in range(n)]
+    probes = [
+        ("shared", [token + 0 for token in keep] + random_tokens(rng, block_tokens))
+        for _ in range(n)
+    ]
     probes += [("fresh", random_tokens(rng, len(prompt))) for _ in range(n)]
     rng.shuffle(probes)
     return probes

@@ -90,6 +90,10 @@ class CacheConfig:
     staging_slot_bytes: int = 8 * MiB
     #: Host memory kept for recycling fresh CPU layers once callers drop them.
     layer_pool_bytes: int = 256 * MiB
+    #: Block keys this node's lookups keep, over all namespaces, so that a lookup asks the index
+    #: one statement instead of thousands of keys (``tenantkv.lookup_cache``; about 100 bytes
+    #: each, so the default bounds it near 25 MiB). 0 turns it off.
+    lookup_cache_keys: int = 262_144
     #: Quota of a tenant created without one.
     default_quota_bytes: int = 2**30
     #: Price of a token served from cache relative to a missed one.
@@ -126,6 +130,14 @@ class CacheConfig:
         for name in ("staging_bytes", "staging_slot_bytes", "layer_pool_bytes"):
             _check_positive_int(name, getattr(self, name))
         _check_positive_int("default_quota_bytes", self.default_quota_bytes)
+        if (
+            isinstance(self.lookup_cache_keys, bool)
+            or not isinstance(self.lookup_cache_keys, int)
+            or self.lookup_cache_keys < 0
+        ):
+            raise InvalidRequestError(
+                f"lookup_cache_keys must be a non-negative integer, got {self.lookup_cache_keys!r}"
+            )
         for name in ("seal_workers", "load_workers", "window"):
             value = getattr(self, name)
             if value is not None:
@@ -236,6 +248,7 @@ _INTS = {
     "staging_slot_bytes",
     "layer_pool_bytes",
     "default_quota_bytes",
+    "lookup_cache_keys",
 }
 _FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
 _BOOLS = {"durable", "map_reads", "strict", "metrics_tenant_labels"}

@@ -23,6 +23,7 @@ from .incidents import SecurityIncidents
 from .index.audit_chains import TenantAuditLog
 from .index.database import Database
 from .keyring import Keyring
+from .lookup_cache import LookupCache
 from .metering import Meter
 from .metrics import DataPlaneMetrics, new_metrics
 from .runtime import Runtime
@@ -47,6 +48,8 @@ class CacheContext:
     remover: ExtentRemover
     leases: LeaseKeeper
     key_epoch: KeyEpochWatcher
+    #: Block keys this node's lookups found present, per namespace (a cache of the index).
+    lookups: LookupCache
     #: Whom this process's own actions are recorded as (the admin service passes its callers).
     attribution: Attribution
     #: Time of records, retention and metering (injectable for tests). Leases use the wall
@@ -96,6 +99,7 @@ def build_context(
             index, remover, node_id=new_node_id(), lease_seconds=config.lease_seconds
         ),
         key_epoch=KeyEpochWatcher(index, keys),
+        lookups=LookupCache(config.lookup_cache_keys),
         attribution=attribution,
         clock=clock,
     )

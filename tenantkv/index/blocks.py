@@ -1,17 +1,19 @@
-"""Block and extent rows of a namespace: which keyed blocks are cached, and indexing a new
-extent's blocks (the write half of a store)."""
+"""Block and extent rows of a namespace: which keyed blocks are cached (for stores, and for
+lookups with the namespace's removal counter), and indexing a new extent's blocks (the write
+half of a store)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Connection, bindparam, delete, func, select
 from sqlalchemy.orm import Session
 
+from . import removals
 from .database import Database
 from .extents import CHUNK
-from .schema import Block, DataKey, Extent, Tenant
+from .schema import Block, Counter, DataKey, Extent, Namespace, Tenant
 
 
 def present_keys(
@@ -41,6 +43,91 @@ def present_keys(
         if stop_at_gap and len(rows) < len(chunk):
             break
     return found
+
+
+# What a lookup reads, as prepared statements (compiled once per process by SQLAlchemy's cache).
+_PRESENT_WITH_EXPIRY = (
+    select(Block.block_key, Extent.expires_at)
+    .join(Extent, Extent.id == Block.extent_id)
+    .where(
+        Block.namespace_id == bindparam("namespace_id"),
+        Block.block_key.in_(bindparam("keys", expanding=True)),
+        Extent.expires_at > bindparam("now"),  # expired blocks are misses before GC runs
+    )
+)
+_CHECK = select(
+    select(Counter.value).where(Counter.name == bindparam("counter")).scalar_subquery(),
+    select(Extent.expires_at)
+    .join(Block, Block.extent_id == Extent.id)
+    .where(
+        Block.namespace_id == bindparam("namespace_id"),
+        Block.block_key == bindparam("probe"),
+        Extent.expires_at > bindparam("now"),
+    )
+    .scalar_subquery(),
+).where(Namespace.id == bindparam("namespace_id"))
+
+
+def present_with_expiry(
+    connection: Connection,
+    namespace_id: bytes,
+    keys: Sequence[bytes],
+    now: float,
+    *,
+    stop_at_gap: bool,
+) -> dict[bytes, float]:
+    """Like :func:`present_keys`, with the expiry time of each present key's extent (what a
+    node's lookup structure keeps, ``tenantkv.lookup_cache``)."""
+    found: dict[bytes, float] = {}
+    for start in range(0, len(keys), CHUNK):
+        chunk = list(keys[start : start + CHUNK])
+        rows = connection.execute(
+            _PRESENT_WITH_EXPIRY, {"namespace_id": namespace_id, "keys": chunk, "now": now}
+        ).all()
+        for key, expires_at in rows:
+            found[bytes(key)] = float(expires_at)
+        if stop_at_gap and len(rows) < len(chunk):
+            break
+    return found
+
+
+@dataclass(frozen=True)
+class LookupCheck:
+    """What one statement tells a lookup that holds some of a namespace's keys already."""
+
+    #: The namespace's removal counter now (``index.removals``): equal to the value the held
+    #: keys were read under, nothing has left since.
+    removals: int
+    #: Expiry of the probed key's extent, or None when that key is not present (or no key was
+    #: probed).
+    probe_expires_at: float | None
+
+
+def check_lookup(
+    connection: Connection,
+    namespace_id: bytes,
+    counter: str,
+    probe: bytes | None,
+    now: float,
+) -> LookupCheck | None:
+    """The namespace's removal counter (named ``counter``) and whether ``probe`` is present,
+    in one statement (one snapshot, one round trip); None when the namespace is gone (its
+    tenant was deleted: every lookup is a miss)."""
+    row = connection.execute(
+        _CHECK,
+        {
+            "namespace_id": namespace_id,
+            "counter": counter,
+            "probe": b"" if probe is None else probe,  # no key is empty: matches nothing
+            "now": now,
+        },
+    ).one_or_none()
+    if row is None:
+        return None
+    removals, probe_expires_at = row
+    return LookupCheck(
+        int(removals or 0), None if probe_expires_at is None else float(probe_expires_at)
+    )
 
 
 @dataclass(frozen=True)
@@ -94,15 +181,20 @@ def index_blocks(
     # Rows of these blocks left by an expired extent (not yet collected) would make the insert
     # skip them, so an expired prefix could not be stored again until GC.
     expired = select(Extent.id).where(Extent.namespace_id == namespace_id, Extent.expires_at <= now)
+    replaced = 0
     for start in range(0, len(positions), CHUNK):
         chunk = [keys[p] for p in positions[start : start + CHUNK]]
-        session.execute(
+        result = session.execute(
             delete(Block).where(
                 Block.namespace_id == namespace_id,
                 Block.block_key.in_(chunk),
                 Block.extent_id.in_(expired),
             )
         )
+        replaced += getattr(result, "rowcount", 0) or 0
+    if replaced:
+        # Misses already by their expiry here; counted for nodes whose clocks run behind.
+        removals.bump(session, [namespace_id])
     session.execute(
         db.insert_ignoring_duplicates(Block.__table__),
         [

@@ -25,6 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
+from . import removals
 from .schema import Block, Extent, Namespace
 
 # SQLite allows 32,766 bound parameters; stay far below it and below PostgreSQL's limits.
@@ -32,10 +33,16 @@ CHUNK = 500
 
 
 def delete_rows(session: Session, extent_ids: Collection[str]) -> None:
-    """Delete the extents' block rows and extent rows (in the caller's transaction)."""
+    """Delete the extents' block rows and extent rows (in the caller's transaction), and count
+    a removal in each of their namespaces (``index.removals``: every node's lookup structure
+    then stops trusting what it holds of them)."""
     ids = list(extent_ids)
     for start in range(0, len(ids), CHUNK):
         batch = ids[start : start + CHUNK]
+        namespace_ids = session.scalars(
+            select(Extent.namespace_id).where(Extent.id.in_(batch)).distinct()
+        ).all()
+        removals.bump(session, namespace_ids)
         session.execute(delete(Block).where(Block.extent_id.in_(batch)))
         session.execute(delete(Extent).where(Extent.id.in_(batch)))
 

@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from . import removals
 from .extents import retention_by_class, retention_parameters
 from .schema import DataKey, Extent, Namespace, Tenant
 
@@ -67,6 +68,8 @@ def restart_retention(session: Session, tenant_id: bytes, classes: Mapping[str, 
     last use; extents of other classes keep their expiry. One statement for all classes."""
     if not classes:
         return
+    # Expiry may move earlier: nodes must stop trusting the expiry times they keep.
+    removals.bump(session, namespace_ids(session, tenant_id))
     kinds, ttl = retention_by_class(len(classes))
     statement = (
         update(Extent)
@@ -95,6 +98,7 @@ def shred(session: Session, row: Tenant) -> None:
     """Delete a tenant: its keys first (once this commits nothing left in the index opens its
     bytes), then its namespaces and the tenant (cascading to extents, blocks, usage)."""
     session.execute(delete(DataKey).where(DataKey.tenant_id == row.id))
+    removals.forget(session, namespace_ids(session, row.id))
     session.execute(delete(Namespace).where(Namespace.tenant_id == row.id))
     session.delete(row)
 

@@ -16,6 +16,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -37,7 +38,7 @@ from ..errors import (
 )
 from ..extent_format import ExtentGeometry
 from ..health import LOST_EXTENTS
-from ..index import blocks, extents, namespaces
+from ..index import blocks, extents, namespaces, removals
 from ..index.plan import ExtentRow, locate_blocks, record_use
 from ..index.quota import Evicted, make_room
 from ..index.schema import Extent
@@ -95,6 +96,7 @@ class Namespace:
         self.identity = identity
         self.layout = layout
         self._hash_key = hash_key
+        self._removals = removals.counter_name(identity.namespace_id)
 
     @property
     def tenant(self) -> str:
@@ -125,7 +127,14 @@ class Namespace:
         """Block keys of ``tokens``: an unedited prefix's, or those of the edited prefix
         ``origin`` (see :meth:`edited` and ``tenantkv.prefix``): the parent's keys for the
         blocks the edit did not touch, then the edited chain."""
-        token_array = as_token_array(tokens)
+        token_array = (
+            tokens  # already what as_token_array makes (lookup and store pass theirs)
+            if isinstance(tokens, np.ndarray)
+            and tokens.dtype == np.uint32
+            and tokens.ndim == 1
+            and tokens.flags.c_contiguous
+            else as_token_array(tokens)
+        )
         fingerprint = self.identity.fingerprint
         if origin is None:
             return block_keys(self._hash_key, fingerprint, token_array, self.block_tokens)
@@ -199,6 +208,52 @@ class Namespace:
             count += 1
         return count
 
+    def _cached_blocks(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, are cached now: the answer of a lookup.
+
+        The keys this node holds for the namespace (``tenantkv.lookup_cache``) answer for as
+        long a run as they cover, and one statement checks that nothing left the namespace
+        since they were read and asks about the first key past the run. Only when that key is
+        present (blocks stored since), or the held keys are stale, does the index get asked
+        about more keys (in chunks, as every lookup used to), and what it finds is held next.
+        """
+        if not keys:
+            return 0
+        namespace_id = self.identity.namespace_id
+        lookups = self._ctx.lookups
+        now = self._ctx.clock()
+        held = lookups.held(namespace_id)
+        run = 0 if held is None else held.run(keys, now)
+        probe = keys[run] if run < len(keys) else None
+        with self._ctx.index.read_connection() as connection:
+            check = blocks.check_lookup(connection, namespace_id, self._removals, probe, now)
+            if check is None:  # the namespace is gone (its tenant was deleted)
+                lookups.forget(namespace_id)
+                return 0
+            if held is not None and held.removals != check.removals:
+                if held.removals > check.removals:  # a restored index: trust nothing held
+                    lookups.forget(namespace_id)
+                if run:  # blocks left since the held keys were read: ask about them all
+                    found = blocks.present_with_expiry(
+                        connection, namespace_id, keys, now, stop_at_gap=True
+                    )
+                    lookups.add(namespace_id, check.removals, found)
+                    return self._run_from_zero(keys, found)
+            if probe is None:
+                return run
+            if check.probe_expires_at is None:
+                if held is None:  # remember the counter: the next lookup checks against it
+                    lookups.add(namespace_id, check.removals, {})
+                return run
+            found = {probe: check.probe_expires_at}
+            found.update(
+                blocks.present_with_expiry(
+                    connection, namespace_id, keys[run + 1 :], now, stop_at_gap=True
+                )
+            )
+        lookups.add(namespace_id, check.removals, found)
+        return run + self._run_from_zero(keys[run:], found)
+
     # ---- lookup -------------------------------------------------------------------------------
 
     def lookup(self, tokens: Any, *, origin: EditedPrefix | None = None) -> int:
@@ -211,14 +266,11 @@ class Namespace:
         self._ctx.runtime.check_open()
         token_array = as_token_array(tokens)
         keys = self._keys(token_array, origin)
-        hit = 0
-        if keys:
-            try:
-                present = self._present_keys(keys, stop_at_gap=True)
-            except SQLAlchemyError as err:
-                # An index outage is the operator's, not a miss to bill to the tenant.
-                return self._ctx.serving.degrade("lookup", err, 0)
-            hit = self._run_from_zero(keys, present) * self.block_tokens
+        try:
+            hit = self._cached_blocks(keys) * self.block_tokens
+        except SQLAlchemyError as err:
+            # An index outage is the operator's, not a miss to bill to the tenant.
+            return self._ctx.serving.degrade("lookup", err, 0)
         self._meter(hit_tokens=hit, miss_tokens=len(token_array) - hit)
         self._ctx.metrics.looked_up(self.tenant, hit, len(token_array) - hit)
         return hit
@@ -228,13 +280,10 @@ class Namespace:
         :meth:`store` (``start=``), not for answering requests. Failures degrade to 0."""
         self._ctx.runtime.check_open()
         keys = self._keys(tokens, origin)
-        if not keys:
-            return 0
         try:
-            present = self._present_keys(keys, stop_at_gap=True)
+            return self._cached_blocks(keys) * self.block_tokens
         except SQLAlchemyError as err:
             return self._ctx.serving.degrade("cached_length", err, 0)
-        return self._run_from_zero(keys, present) * self.block_tokens
 
     def record_request(self, hit_tokens: int, miss_tokens: int) -> None:
         """Meter a served request's hit and miss tokens, as :meth:`lookup` would have.
@@ -619,8 +668,7 @@ class Namespace:
         self._ctx.runtime.check_open()
         keys = self._keys(tokens, origin)
         try:
-            present = self._present_keys(keys, stop_at_gap=True)
-            cached = self._run_from_zero(keys, present)
+            cached = self._cached_blocks(keys)
             if cached == 0:
                 return 0
             with self._ctx.index.read_connection() as connection:
