@@ -18,7 +18,9 @@ import pytest
 from tenantkv.storage import BlockStore, LocalBlockStore, TieredBlockStore
 
 REDIS_URL = os.environ.get("TENANTKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-BACKENDS = ("local", "redis", "tiered")
+BACKENDS = ("local", "local-direct", "redis", "tiered")
+#: Backends that keep everything under the test's directory (no Redis key prefix to drop).
+LOCAL_BACKENDS = ("local", "local-direct")
 
 
 def redis_client() -> Any:
@@ -58,6 +60,8 @@ def make_store(kind: str, root: Path, prefix: str) -> BlockStore:
     """A fresh store of ``kind`` (non-durable: tests) on ``root`` and/or under ``prefix``."""
     if kind == "local":
         return LocalBlockStore(root, durable=False)
+    if kind == "local-direct":  # O_DIRECT writes, as a durable store makes them
+        return LocalBlockStore(root, durable=False, direct=True)
     redis_client().close()  # skip cleanly without redis-py
     from tenantkv.storage.redis_store import RedisBlockStore
 
