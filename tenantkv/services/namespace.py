@@ -430,6 +430,9 @@ class Namespace:
         from queueing all its pieces ahead of concurrent loads on the shared pool.
         """
         executor = self._ctx.runtime.seal_executor
+        # Two pieces queued per worker: a worker that finishes one starts the next at once
+        # instead of waiting for this thread to be scheduled and submit it.
+        window = max(self._ctx.runtime.window, 2 * self._ctx.runtime.workers)
         per_piece = max(1, STORE_PIECE_BYTES // geometry.sealed_bytes)
         pieces = [
             (layer, first)
@@ -441,7 +444,7 @@ class Namespace:
             pending: set[Future[None]] = set()
             try:
                 for layer, first in pieces:
-                    if len(pending) >= self._ctx.runtime.window:
+                    if len(pending) >= window:
                         done, pending = wait_futures(pending, return_when=FIRST_COMPLETED)
                         for future in done:
                             future.result()
