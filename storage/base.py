@@ -64,6 +64,11 @@ class ExtentWriter(abc.ABC):
         Lets workers seal and write disjoint parts of an extent in parallel.
         """
 
+    def reserve(self, size: int) -> None:  # noqa: B027 - optional hint, most backends ignore it
+        """Hint that the extent will be ``size`` bytes: a backend may allocate the space now
+        (a full disk then fails before anything is sealed). Writes still decide the extent's
+        size; the default ignores the hint."""
+
     def scratch(self, offset: int, size: int) -> memoryview:
         """A writable buffer of ``size`` bytes for the calling thread to fill with the bytes
         that it will then pass to :meth:`write_at` at ``offset``.

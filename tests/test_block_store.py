@@ -783,3 +783,21 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(
         buffer = bytearray(reader.size)
         reader.readinto(0, [buffer])
     assert bytes(buffer) == bytes(5) + data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reserve_allocates_but_the_writes_decide_the_size(tmp_path: Path, direct: bool) -> None:
+    """A reserved extent (fallocate with direct writes) still ends where its furthest write
+    ends: reserving more than is written leaves no zero tail, and a store with nothing but a
+    reservation is empty."""
+    store = LocalBlockStore(tmp_path / "blocks", durable=True, direct=direct)
+    data = os.urandom(2 * 4096 + 100)
+    with store.create() as writer:
+        writer.reserve(10 * 4096)
+        writer.write_at(3, data)
+        extent_id = writer.commit()
+    assert _read_all(store, extent_id) == bytes(3) + data
+    with store.create() as writer:
+        writer.reserve(4096)
+        empty = writer.commit()
+    assert _read_all(store, empty) == b""

@@ -440,6 +440,7 @@ class Namespace:
             for first in range(0, geometry.num_blocks, per_piece)
         ]
         with self._ctx.blocks.create() as writer:
+            writer.reserve(geometry.total_bytes)
             writer.write_at(0, geometry.header())
             pending: set[Future[None]] = set()
             try:
