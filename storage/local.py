@@ -333,23 +333,51 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _LocalReader(ExtentReader):
-    def __init__(self, path: Path) -> None:
+    """One extent file, mapped read-only when the store allows it (see :meth:`mapped`), else
+    read with ``preadv``."""
+
+    def __init__(self, path: Path, *, map_reads: bool) -> None:
         try:
-            self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ExtentNotFoundError(f"no extent at {path.name}") from None
         except OSError as err:
             raise StorageError(f"opening extent failed: {err}") from err
-        self._size = os.fstat(self._fd).st_size
+        self._fd: int | None = fd
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        try:
+            self._size = os.fstat(fd).st_size
+            if map_reads and self._size > 0:
+                self._map_file(fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map_file(self, fd: int) -> None:
+        """Map the file (``MAP_SHARED``, read-only: the page cache's own pages) and close our
+        descriptor, since the mapping holds one of its own; a failed mapping leaves the
+        reader reading with ``preadv``."""
+        try:
+            self._map = mmap.mmap(fd, self._size, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as err:
+            logger.debug("mapping an extent failed (%s); reading it instead", err)
+            return
+        self._view = memoryview(self._map)
+        os.close(fd)
+        self._fd = None
 
     @property
     def size(self) -> int:
         return self._size
 
     def readinto(self, offset: int, buffers: Sequence[Buffer]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        if self._view is not None:
+            self._copy_out(self._view, offset, views)
+            return
         if self._fd is None:
             raise StorageError("extent reader is closed")
-        views = [memoryview(b).cast("B") for b in buffers]
         wanted = sum(len(v) for v in views)
         done = 0
         while done < wanted:
@@ -373,10 +401,87 @@ class _LocalReader(ExtentReader):
                 )
             done += got
 
+    def _copy_out(self, mapped: memoryview, offset: int, views: list[memoryview]) -> None:
+        position = offset
+        for view in views:
+            end = position + len(view)
+            if end > self._size and view:  # a read of zero bytes succeeds anywhere
+                available = max(0, self._size - position)
+                view[:available] = mapped[position : position + available]
+                raise ShortReadError(
+                    f"extent ended at byte {self._size}, wanted up to "
+                    f"{offset + sum(len(v) for v in views)}"
+                )
+            view[:] = mapped[position:end]
+            position = end
+
+    def mapped(self) -> memoryview | None:
+        """The extent's mapping, when the store maps reads (``map_reads``, see
+        :class:`LocalBlockStore`).
+
+        Only on file systems where a mapped page cannot vanish: touching a mapped page of a
+        file that was truncated, or that a network file system lost, raises SIGBUS and kills
+        the process. Extents are never truncated: written once, renamed into place, and
+        unlinked when deleted (an unlinked file stays readable while mapped).
+        """
+        return self._view
+
+    def done_with(self, offset: int, length: int) -> None:
+        """Unmap consumed pages from this process (``MADV_DONTNEED`` of a shared file mapping
+        drops only the process's page-table entries; the page cache keeps the bytes, and a
+        later touch maps them again)."""
+        file_map = self._map
+        if file_map is None or length <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(offset + length, self._size)
+        with contextlib.suppress(OSError, ValueError):  # advisory; a closed map is skipped
+            file_map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
+        view, file_map = self._view, self._map
+        self._view = self._map = None
+        if view is not None:
+            view.release()
+        if file_map is not None:
+            # A slice still referenced somewhere (an exception's traceback) keeps the mapping
+            # until it is collected.
+            with contextlib.suppress(BufferError):
+                file_map.close()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+#: File systems whose mapped pages cannot vanish under a reader: local disks and memory.
+#: Network and FUSE file systems (NFS, CephFS, 3FS, ...) are read with ``preadv`` instead,
+#: since a page they lose raises SIGBUS in whoever touches its mapping.
+_MAPPABLE_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay"}
+)
+
+
+def file_system_type(path: Path) -> str | None:
+    """The type of the file system holding ``path`` (from ``/proc/self/mountinfo``), or
+    ``None`` when it cannot be told (not Linux, unreadable)."""
+    try:
+        target = os.path.realpath(path)
+        with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
+            lines = mounts.read().splitlines()
+    except OSError:
+        return None
+    best, best_type = "", None
+    for line in lines:
+        fields = line.split()
+        try:
+            separator = fields.index("-")
+        except ValueError:
+            continue
+        mount_point = fields[4].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best) and separator + 1 < len(fields):
+            best, best_type = mount_point, fields[separator + 1]
+    return best_type
 
 
 class LocalBlockStore(BlockStore):
@@ -391,8 +496,17 @@ class LocalBlockStore(BlockStore):
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, durable: bool = True, direct: bool | None = None
+        self,
+        root: str | os.PathLike[str],
+        *,
+        durable: bool = True,
+        map_reads: bool | None = None,
+        direct: bool | None = None,
     ) -> None:
+        """``map_reads``: let loads decrypt straight out of mapped extents (see
+        :meth:`ExtentReader.mapped`); default: on a local disk or memory file system, not on a
+        network or FUSE mount. ``direct``: write extents with ``O_DIRECT`` (default: when
+        ``durable``)."""
         self.root = Path(root)
         self.durable = durable
         #: Whether new extents are written with O_DIRECT (False once the file system refused).
@@ -404,6 +518,9 @@ class LocalBlockStore(BlockStore):
         for shard in self.extent_dir.iterdir():
             if shard.is_dir():
                 _private_dir(shard)
+        if map_reads is None:
+            map_reads = file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
+        self.map_reads = map_reads
 
     def refuse_direct(self, reason: str) -> None:
         """Write buffered from now on: the file system under ``root`` refused O_DIRECT."""
@@ -430,7 +547,7 @@ class LocalBlockStore(BlockStore):
             raise StorageError(f"creating extent {extent_id} failed: {err}") from err
 
     def open(self, extent_id: str) -> ExtentReader:
-        return _LocalReader(self.path_of(extent_id))
+        return _LocalReader(self.path_of(extent_id), map_reads=self.map_reads)
 
     def prefetch(self, extent_id: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Ask the kernel to read the ranges into the page cache (``POSIX_FADV_WILLNEED``)."""

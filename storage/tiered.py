@@ -172,6 +172,14 @@ class _TieredReader(ExtentReader):
         self._tier = cold
         self._reader.readinto(offset, buffers)
 
+    def mapped(self) -> memoryview | None:
+        """The current tier's mapping, when it has one (a local file tier)."""
+        return self._reader.mapped() if self._reader is not None else None
+
+    def done_with(self, offset: int, length: int) -> None:
+        if self._reader is not None:
+            self._reader.done_with(offset, length)
+
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()

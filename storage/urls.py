@@ -68,11 +68,11 @@ def check_block_store_url(url: str) -> None:
         )
 
 
-def _open_tier(url: str, *, durable: bool) -> BlockStore:
+def _open_tier(url: str, *, durable: bool, map_reads: bool | None) -> BlockStore:
     if urlparse(url).scheme == "file":
         from .local import LocalBlockStore
 
-        return LocalBlockStore(file_path(url), durable=durable)
+        return LocalBlockStore(file_path(url), durable=durable, map_reads=map_reads)
     try:
         from .redis_store import RedisBlockStore
     except ModuleNotFoundError as err:
@@ -87,14 +87,16 @@ def _open_tier(url: str, *, durable: bool) -> BlockStore:
         raise BlockStoreUrlError(f"bad Redis URL {url!r}: {err}") from None
 
 
-def open_block_store(url: str, *, durable: bool = True) -> BlockStore:
+def open_block_store(
+    url: str, *, durable: bool = True, map_reads: bool | None = None
+) -> BlockStore:
     """The store ``url`` names. Nothing connects yet: Redis connects on first use."""
     check_block_store_url(url)
     tiers = split_tiers(url)
     stores: list[BlockStore] = []
     try:
         for tier in tiers:
-            stores.append(_open_tier(tier, durable=durable))
+            stores.append(_open_tier(tier, durable=durable, map_reads=map_reads))
     except BaseException:
         for store in stores:
             store.close()

@@ -69,6 +69,11 @@ class CacheConfig:
     suite: CipherSuite = DEFAULT_SUITE
     #: fsync extents and directories before they become visible.
     durable: bool = True
+    #: Let loads decrypt straight out of mapped extent files, one pass over memory fewer than
+    #: reading them into a buffer first (docs/perf.md). Default (None): on where extents live
+    #: on a local disk or memory file system, off on network and FUSE mounts, where a page
+    #: the file system loses would kill the process (SIGBUS) instead of failing a read.
+    map_reads: bool | None = None
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False
     #: Threads that seal stores (default: one per core).
@@ -125,6 +130,10 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
+        if self.map_reads is not None and not isinstance(self.map_reads, bool):
+            raise InvalidRequestError(
+                f"map_reads must be True, False or None, got {self.map_reads!r}"
+            )
         if self.staging_bytes < self.staging_slot_bytes:
             raise InvalidRequestError("staging_bytes must hold at least one staging slot")
         for name in ("lease_seconds", "hit_cost"):
@@ -212,7 +221,9 @@ def open_blocks(config: CacheConfig) -> BlockStore:
     """The block store ``config.blocks_url`` names; a URL no backend can serve (an unknown
     scheme, a missing optional package) is an InvalidRequestError."""
     try:
-        return open_block_store(config.blocks_url, durable=config.durable)
+        return open_block_store(
+            config.blocks_url, durable=config.durable, map_reads=config.map_reads
+        )
     except BlockStoreUrlError as err:
         raise InvalidRequestError(f"block_store_url: {err}") from None
 
@@ -227,7 +238,7 @@ _INTS = {
     "default_quota_bytes",
 }
 _FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
-_BOOLS = {"durable", "strict", "metrics_tenant_labels"}
+_BOOLS = {"durable", "map_reads", "strict", "metrics_tenant_labels"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

@@ -2,11 +2,21 @@
 
 ::
 
-    worker tasks (one per core, on the cache's loader pool), each with one staging-ring slot:
-        take the next chunk in layer order ─► read its ciphertext into the slot (one range read)
-        ─► decrypt_into the layer's destination (or into the slot, then copy: MHA out=, and
-           CUDA on the load's stream) ─► count it done; after a layer's last chunk, wake the
-           caller if it waits for that layer ─► take the next chunk
+    worker tasks (one per core, on the cache's loader pool), each with one staging-ring slot
+    when it needs one:
+        take the next chunk in layer order ─► its ciphertext: a slice of the extent's mapping
+           (local files: the page cache's own pages), or else read into the slot (one range
+           read) ─► decrypt_into the layer's destination (or into the slot, then copy: MHA
+           out=, and CUDA on the load's stream) ─► drop the mapped pages from the process's
+           resident set ─► count it done; after a layer's last chunk, wake the caller if it
+           waits for that layer ─► take the next chunk
+    the caller, waiting for a layer of which chunks are still untaken (mapped, no slot needed):
+        open them itself, then wait for the rest
+
+Decrypting straight out of the mapping makes one pass over memory fewer than reading into a
+slot and decrypting from there: loads are bound by memory traffic, not by AES, on the machines
+measured (docs/perf.md). A load into fresh CPU layers or MLA ``out=`` buffers then uses no
+staging slot at all.
 
 A layer is split into equal chunks of consecutive segments that fit one staging slot. A load runs
 ``workers`` tasks that pull chunks from the load's own sequence (layer 0, then 1, ...), so while
@@ -231,10 +241,20 @@ class LoadStream:
         self._window = max(1, window)
         self._on_failure = on_failure
         self._segment_bytes = target.block_tokens * layout.token_bytes
-        per_segment = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
+        # Extents the store can map are opened straight out of the page cache; the others are
+        # read into the worker's staging slot first (docs/perf.md: one pass over memory fewer).
+        self._mapped = {extent_id: reader.mapped() for extent_id, reader in readers.items()}
+        all_mapped = all(view is not None for view in self._mapped.values())
+        sealed = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
+        # A worker needs a staging slot for ciphertext it reads, and for plaintext that is
+        # copied out afterwards (MHA out=, CUDA: pinned, so the copy to the device is async).
+        self._needs_slot = not (all_mapped and target.direct)
+        per_segment = 0 if all_mapped else sealed
         if not target.direct:
             per_segment += self._segment_bytes  # the slot also holds the decrypted chunk
-        max_segments = ring.slot_bytes // per_segment
+        # Mapped chunks into their destination keep the slot-sized cut: a chunk is the unit of
+        # scheduling, and fewer, larger ones cost less bookkeeping.
+        max_segments = ring.slot_bytes // (per_segment or sealed)
         # Layer 0 is what the model waits on first. Cut finer, a worker that is ahead takes over
         # part of the share of one that is delayed (on 2 cores a thread can wait milliseconds to
         # get the GIL back after a read); later layers keep few large chunks, since every chunk
@@ -362,7 +382,7 @@ class LoadStream:
                     return
             while True:
                 layer, work = taken
-                if slot is None:
+                if slot is None and self._needs_slot:
                     slot = self._ring.acquire(self._cancel)
                 error = self._open_chunk(layer, work, slot)
                 failure = None
@@ -463,37 +483,57 @@ class LoadStream:
         return True
 
     def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
-        """Read one chunk's ciphertext into ``slot`` and open it into the layer's destination."""
-        if slot is None or self._cancel.is_set():
+        """Open one chunk into the layer's destination: straight out of the extent's mapping,
+        or after reading its ciphertext into ``slot``."""
+        if self._cancel.is_set() or (slot is None and self._needs_slot):
             return _Cancelled()
         chunk = work.chunk
         extent = chunk.run.extent
+        reader = self._readers[extent.extent_id]
+        mapped = self._mapped[extent.extent_id]
+        offset = extent.geometry.offset(layer, chunk.slot)
         try:
-            self._readers[extent.extent_id].readinto(
-                extent.geometry.offset(layer, chunk.slot), [slot.view[: work.size]]
-            )
+            if mapped is not None:
+                if offset + work.size > len(mapped):  # open_readers checked every size
+                    raise ShortReadError("a chunk lies past the end of its mapped extent")
+                ciphertext = mapped[offset : offset + work.size]
+            else:
+                assert slot is not None, "reading a chunk needs a staging slot"
+                ciphertext = slot.view[: work.size]
+                reader.readinto(offset, [ciphertext])
             if self._cancel.is_set():
                 return _Cancelled()
             output = self._outputs[layer]
             assert output is not None, "a layer's destination exists once a chunk is taken"
-            self._open_into_destination(layer, work, output, slot)
+            # Staged plaintext goes after the ciphertext read into the slot, or at the slot's
+            # start when the ciphertext came from a mapping.
+            plain_at = 0 if mapped is not None else work.size
+            self._open_into_destination(layer, work, output, ciphertext, slot, plain_at)
         except BaseException as err:
             return self._classify(extent.extent_id, layer, err)
+        finally:
+            if mapped is not None:
+                reader.done_with(offset, work.size)
         return None
 
     def _open_into_destination(
-        self, layer: int, work: _Work, output: LayerOutput, slot: Slot
+        self,
+        layer: int,
+        work: _Work,
+        output: LayerOutput,
+        ciphertext: memoryview,
+        slot: Slot | None,
+        plain_at: int,
     ) -> None:
         chunk = work.chunk
         extent = chunk.run.extent
         segment = self._segment_bytes
-        ciphertext = slot.view[: work.size]
         if output.bytes is not None and self._target.direct:
             out = output.bytes
             outs = [out[start : start + segment] for start in work.starts]
             extent.cipher.open_many_into(chunk.slot, layer, work.keys, ciphertext, outs)
             return
-        plain_at = work.size
+        assert slot is not None, "a staged destination needs a staging slot"
         outs = [
             slot.view[plain_at + j * segment : plain_at + (j + 1) * segment]
             for j in range(chunk.count)
@@ -560,6 +600,8 @@ class LoadStream:
                 ):
                     broken = self._broken  # every chunk taken has finished: nothing more comes
                     break
+                if self._help_with(index):
+                    continue
                 self._waiting_for = index
                 self._changed.wait()
                 self._caller_running.set()
@@ -595,6 +637,40 @@ class LoadStream:
             for tensor in self._tensors_of(output):
                 tensor.record_stream(current)
         return output.result
+
+    def _help_with(self, index: int) -> bool:
+        """Open the next chunk of layer ``index`` on the caller's own thread, if one is still
+        untaken and needs no staging slot (under the lock, released while opening).
+
+        The caller waits for this layer anyway: decrypting a share of it beats sleeping, and
+        it then needs no wake-up -- which on a busy machine costs the first layer a core and
+        the interpreter's lock taken back from the workers (docs/perf.md).
+        """
+        if self._needs_slot or self._broken is not None or self._next_layer() != index:
+            return False
+        taken = self._take()
+        if taken is None:
+            return False
+        layer, work = taken
+        self._lock.release()
+        try:
+            error = self._open_chunk(layer, work, None)
+        finally:
+            self._lock.acquire()
+        self._busy -= 1
+        if error is None:
+            self._chunk_done(layer)
+            return True
+        failure = self._record_error(error)
+        if self._broken is not None:
+            self._changed.notify_all()
+        if failure is not None:
+            self._lock.release()
+            try:
+                self._handle_failure(failure)
+            finally:
+                self._lock.acquire()
+        return True
 
     @staticmethod
     def _tensors_of(output: LayerOutput) -> list[torch.Tensor]:
@@ -684,6 +760,9 @@ class LoadStream:
             # Let go of layer buffers the caller was never handed.
             self._outputs = [None] * self.num_layers
             self._events = [None] * self.num_layers
+        # Layers a load fills at once: the window ahead of the caller, the one being filled, and
+        # the one the caller holds.
+        self._target.finish(layers_in_flight=self._window + 2)
         if self._on_close is not None:
             self._on_close(self)
         for reader in self._readers.values():

@@ -18,9 +18,10 @@ import pytest
 from tenantkv.storage import BlockStore, LocalBlockStore, TieredBlockStore
 
 REDIS_URL = os.environ.get("TENANTKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-BACKENDS = ("local", "local-direct", "redis", "tiered")
-#: Backends that keep everything under the test's directory (no Redis key prefix to drop).
-LOCAL_BACKENDS = ("local", "local-direct")
+#: ``local`` maps extents for reading where the file system allows it (the default);
+#: ``local-preadv`` reads them with ``preadv`` (``map_reads=False``); ``local-direct`` writes
+#: them with ``O_DIRECT``, as a durable store does.
+BACKENDS = ("local", "local-preadv", "local-direct", "redis", "tiered")
 
 
 def redis_client() -> Any:
@@ -58,8 +59,8 @@ def redis_keys(prefix: str) -> list[bytes]:
 
 def make_store(kind: str, root: Path, prefix: str) -> BlockStore:
     """A fresh store of ``kind`` (non-durable: tests) on ``root`` and/or under ``prefix``."""
-    if kind == "local":
-        return LocalBlockStore(root, durable=False)
+    if kind in ("local", "local-preadv"):
+        return LocalBlockStore(root, durable=False, map_reads=kind == "local")
     if kind == "local-direct":  # O_DIRECT writes, as a durable store makes them
         return LocalBlockStore(root, durable=False, direct=True)
     redis_client().close()  # skip cleanly without redis-py

@@ -39,7 +39,6 @@ from tenantkv.storage import (
 )
 from tests.block_stores import (
     BACKENDS,
-    LOCAL_BACKENDS,
     drop_prefix,
     make_store,
     new_prefix,
@@ -107,7 +106,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
             writer.abort()
         self.store.close()
         shutil.rmtree(self.root, ignore_errors=True)
-        if self.backend not in LOCAL_BACKENDS:
+        if not self.backend.startswith("local"):
             drop_prefix(self.prefix)
 
     # -- writes --------------------------------------------------------------------------------
@@ -272,6 +271,10 @@ class BlockStoreMachine(RuleBasedStateMachine):
                 assert reader.size == len(data)
 
 
+class PreadvBlockStoreMachine(BlockStoreMachine):
+    backend = "local-preadv"
+
+
 class DirectBlockStoreMachine(BlockStoreMachine):
     backend = "local-direct"
 
@@ -293,10 +296,12 @@ _MACHINE_SETTINGS = settings(
 # Network round trips make the Redis-backed runs slower per step: fewer examples, same steps.
 _NETWORK_SETTINGS = settings(_MACHINE_SETTINGS, max_examples=20)
 BlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
+PreadvBlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
 RedisBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
 TieredBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
 DirectBlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
 TestBlockStoreMachine = BlockStoreMachine.TestCase
+TestPreadvBlockStoreMachine = PreadvBlockStoreMachine.TestCase
 TestDirectBlockStoreMachine = DirectBlockStoreMachine.TestCase
 TestRedisBlockStoreMachine = RedisBlockStoreMachine.TestCase
 TestTieredBlockStoreMachine = TieredBlockStoreMachine.TestCase
@@ -331,7 +336,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
         yield backend
     finally:
         backend.close()
-        if request.param not in LOCAL_BACKENDS:
+        if not request.param.startswith("local"):
             drop_prefix(prefix)
 
 

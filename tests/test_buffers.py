@@ -36,13 +36,61 @@ def test_a_buffer_held_through_a_tensor_or_a_slice_is_not_handed_out_again() -> 
     assert pool.pooled_bytes == 3 * 4096  # one more buffer, reused by every later call
 
 
-def test_sizes_beyond_twice_the_request_or_over_the_budget_are_not_pooled() -> None:
+def test_sizes_beyond_twice_the_request_are_not_reused_and_trim_keeps_the_budget() -> None:
     pool = RecyclingPool(max_bytes=9_000)
     big = pool.buffer(8192)
+    big_address = _address(big)
     del big
     gc.collect()
     small = pool.buffer(1000)  # the idle 8 KiB buffer is more than twice too large: not reused
-    assert len(small) == 1000
-    assert pool.pooled_bytes == 1000  # the idle 8 KiB buffer was dropped to fit the budget
-    over = pool.buffer(20_000)  # beyond the budget: a plain allocation
-    assert len(over) == 20_000 and pool.pooled_bytes == 1000
+    assert len(small) == 1000 and _address(small) != big_address
+    assert pool.idle_bytes == 8192
+    over = pool.buffer(20_000)  # beyond the budget, held by its caller: tracked all the same
+    assert len(over) == 20_000 and pool.pooled_bytes == 8192 + 1000 + 20_000
+    pool.trim()  # 8 KiB idle is within the budget: kept
+    assert pool.pooled_bytes == 29_192 and pool.idle_bytes == 8192
+    del over
+    gc.collect()
+    pool.trim()  # 28,192 B idle: released oldest first until what stays idle fits 9,000 B
+    assert pool.idle_bytes == 0 and pool.pooled_bytes == 1000
+    assert len(small) == 1000  # the held buffer stays
+
+
+def test_layers_kept_beyond_the_budget_are_reused_by_the_next_load() -> None:
+    # A caller that keeps whole prefixes (a model's cache) and drops them between requests
+    # gets the same memory back, instead of faulting in fresh pages for every layer.
+    pool = RecyclingPool(max_bytes=4096)
+    kept = [pool.buffer(4096) for _ in range(8)]
+    addresses = {_address(view) for view in kept}
+    assert len(addresses) == 8
+    pool.trim()  # all held: nothing to release
+    del kept
+    gc.collect()
+    again = [pool.buffer(4096) for _ in range(8)]
+    assert {_address(view) for view in again} == addresses
+    del again
+    gc.collect()
+    pool.trim()
+    assert pool.idle_bytes == 4096 and pool.pooled_bytes == 4096
+
+
+def test_the_smallest_idle_buffer_that_fits_is_reused() -> None:
+    pool = RecyclingPool(max_bytes=1 << 20)
+    larger, exact = pool.buffer(7000), pool.buffer(4096)
+    addresses = _address(larger), _address(exact)
+    del larger, exact
+    gc.collect()
+    first = pool.buffer(4000)
+    assert _address(first) == addresses[1]  # both fit; the smaller one is taken
+    assert _address(pool.buffer(4000)) == addresses[0]  # while the smaller one is held
+
+
+def test_trim_keeps_what_the_caller_asks_for_beyond_the_budget() -> None:
+    pool = RecyclingPool(max_bytes=4096)
+    held = [pool.buffer(4096) for _ in range(4)]
+    del held
+    gc.collect()
+    pool.trim(keep=3 * 4096)  # a load with three long layers in flight keeps them for the next
+    assert pool.idle_bytes == 3 * 4096
+    pool.trim()
+    assert pool.idle_bytes == 4096

@@ -1,0 +1,199 @@
+"""Loads that decrypt straight out of mapped extents (``map_reads``), against loads that read
+them into staging first: the same bytes, the same integrity checks, the same handles."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tenantkv
+from tenantkv import KVLayout, TenantKV
+from tenantkv import loader as loader_module
+from tenantkv.storage import LocalBlockStore
+from tenantkv.storage.local import file_system_type
+from tests.helpers import layers_equal, load_all, random_layers, random_tokens
+from tests.indexes import Index
+
+MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
+MHA = KVLayout.mha(2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+TOKENS = 5 * 64
+
+
+@pytest.fixture(params=[True, False], ids=["mapped", "staged"])
+def map_reads(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, index: Index, map_reads: bool) -> TenantKV:
+    kv = tenantkv.open(tmp_path / "cache", durable=False, map_reads=map_reads)
+    kv.create_tenant("acme")
+    yield kv
+    kv.close()
+
+
+def _extent_files(root: Path) -> list[Path]:
+    return sorted((root / "blocks" / "extents").glob("*/*.tkx"))
+
+
+def test_the_store_maps_only_when_asked(tmp_path: Path) -> None:
+    data = os.urandom(3 * 4096 + 5)
+    for map_reads in (True, False):
+        store = LocalBlockStore(tmp_path / str(map_reads), durable=False, map_reads=map_reads)
+        with store.create() as writer:
+            writer.write(data)
+            extent_id = writer.commit()
+        with store.open(extent_id) as reader:
+            view = reader.mapped()
+            if map_reads:
+                assert view is not None and bytes(view) == data
+                reader.done_with(4096, 8192)  # drops resident pages, never the bytes
+                assert bytes(view[4000:12300]) == data[4000:12300]
+                del view
+            else:
+                assert view is None
+            buffer = bytearray(len(data) - 7)
+            reader.readinto(7, [buffer])
+            assert bytes(buffer) == data[7:]
+        store.close()
+
+
+def test_the_default_maps_on_local_file_systems_only(tmp_path: Path) -> None:
+    kind = file_system_type(tmp_path)
+    assert kind, "/proc/self/mountinfo names the file system of the test's directory"
+    store = LocalBlockStore(tmp_path / "blocks", durable=False)
+    local = kind in {"ext4", "xfs", "btrfs", "tmpfs", "overlay", "f2fs", "ext3", "ext2"}
+    assert store.map_reads is local
+    assert file_system_type(Path("/proc/self")) == "proc"  # not a file system one may map
+
+
+@pytest.mark.parametrize("layout", [MLA, MHA], ids=["mla", "mha"])
+@pytest.mark.parametrize("mode", ["fresh", "out", "paged"])
+def test_loads_return_the_stored_bytes(
+    cache: TenantKV, layout: KVLayout, mode: str, map_reads: bool
+) -> None:
+    ns = cache.namespace("acme", model="m", layout=layout)
+    tokens = random_tokens(TOKENS, seed=3)
+    want = random_layers(layout, TOKENS, seed=4)
+    assert ns.store(tokens, want) == TOKENS
+    if mode == "fresh":
+        got = load_all(ns, tokens)
+        assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+        return
+    blocks = TOKENS // 64
+    # paged: blocks land in reversed 64-row pages of a larger buffer, with a gap page
+    rows = [64 * (blocks - b) for b in range(blocks)] if mode == "paged" else None
+    capacity = 64 * (blocks + 1)
+
+    def empty() -> torch.Tensor:
+        if layout.kind == "mla":
+            return torch.full((capacity, layout.values_per_token), 7.0, dtype=layout.dtype)
+        return torch.full((capacity, layout.num_kv_heads, layout.head_dim), 7.0, dtype=layout.dtype)
+
+    out = [
+        empty() if layout.kind == "mla" else (empty(), empty()) for _ in range(layout.num_layers)
+    ]
+    with ns.load(tokens, out=out, block_rows=rows) as stream:
+        for index, layer in stream:
+            assert layer is out[index]
+    for index, layer in enumerate(want):
+        parts = [layer] if isinstance(layer, torch.Tensor) else list(layer)
+        buffers = [out[index]] if layout.kind == "mla" else list(out[index])
+        for part, buffer in zip(parts, buffers, strict=True):
+            for b in range(blocks):
+                at = rows[b] if rows is not None else 64 * b
+                assert torch.equal(buffer[at : at + 64], part[64 * b : 64 * (b + 1)])
+        if rows is not None:  # the page no block maps to is untouched
+            assert all(bool((buffer[:64] == 7.0).all()) for buffer in buffers)
+
+
+def test_a_flipped_ciphertext_bit_fails_to_open(cache: TenantKV, tmp_path: Path) -> None:
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=5)
+    want = random_layers(MLA, TOKENS, seed=6)
+    ns.store(tokens, want)
+    assert all(layers_equal(a, b) for a, b in zip(load_all(ns, tokens), want, strict=True))
+    (path,) = _extent_files(tmp_path / "cache")
+    data = bytearray(path.read_bytes())
+    sealed = 64 * MLA.token_bytes + 16
+    data[32 + sealed * (TOKENS // 64) + 100] ^= 0x01  # layer 1, block 0
+    path.write_bytes(bytes(data))
+    with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
+        for _ in stream:
+            pass
+    assert caught.value.delivered_layers == 1
+    assert ns.lookup(tokens) == 0  # the damaged prefix was dropped
+
+
+def test_an_extent_unlinked_during_a_load_still_loads(cache: TenantKV, tmp_path: Path) -> None:
+    # Deleting an extent is an unlink: a load that has it open (mapped or not) reads it whole.
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=7)
+    want = random_layers(MLA, TOKENS, seed=8)
+    ns.store(tokens, want)
+    got = []
+    with ns.load(tokens) as stream:
+        for index, layer in stream:
+            if index == 0:
+                for path in _extent_files(tmp_path / "cache"):
+                    path.unlink()
+            got.append(layer)
+    assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _slow_workers(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """Make chunks opened off the calling thread slow, so the caller, waiting for layer 0,
+    finds chunks of it untaken; return the set of threads that opened chunks."""
+    caller = threading.get_ident()
+    opened: set[int] = set()
+    open_chunk = loader_module.LoadStream._open_chunk
+
+    def recording(stream: Any, layer: int, work: Any, slot: Any) -> Any:
+        opened.add(threading.get_ident())
+        if threading.get_ident() != caller:
+            time.sleep(0.02)
+        return open_chunk(stream, layer, work, slot)
+
+    monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", recording)
+    return opened
+
+
+def test_the_caller_opens_chunks_of_the_layer_it_waits_for(
+    cache: TenantKV, map_reads: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=9)
+    want = random_layers(MLA, TOKENS, seed=10)
+    ns.store(tokens, want)
+    opened = _slow_workers(monkeypatch)
+    got = load_all(ns, tokens)
+    assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+    # Mapped reads into fresh layers need no staging slot: the caller helps. Staged reads
+    # need one, which only workers hold: the caller waits.
+    assert (threading.get_ident() in opened) is map_reads
+    assert len(opened - {threading.get_ident()}) >= 1
+
+
+def test_a_damaged_chunk_the_caller_opens_fails_the_load(
+    cache: TenantKV, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=11)
+    ns.store(tokens, random_layers(MLA, TOKENS, seed=12))
+    (path,) = _extent_files(tmp_path / "cache")
+    data = bytearray(path.read_bytes())
+    sealed = 64 * MLA.token_bytes + 16
+    for block in range(TOKENS // 64):  # every block of layer 0: whoever opens one, it fails
+        data[32 + sealed * block + 7] ^= 0x80
+    path.write_bytes(bytes(data))
+    _slow_workers(monkeypatch)
+    with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
+        stream.wait_for_layer(0)
+    assert caught.value.delivered_layers == 0
+    assert ns.lookup(tokens) == 0
