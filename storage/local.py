@@ -8,7 +8,8 @@ Layout under the root::
 A write goes to ``tmp/``, is flushed and fsynced, then renamed into ``extents/`` (rename is atomic
 on POSIX file systems) and the directory is fsynced; so a reader sees either no extent or all of
 it. Leftover ``.part`` files (a crash mid-write) are never visible as extents and are removed by
-:meth:`LocalBlockStore.sweep_temporary`.
+:meth:`LocalBlockStore.sweep_temporary`. A durable store writes the extent's whole pages with
+``O_DIRECT`` into blocks reserved up front (see :class:`_LocalWriter`); the commit is the same.
 """
 
 from __future__ import annotations
