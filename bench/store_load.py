@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Store/load throughput of tenantkv against baselines measured in the same run.
 
-What it measures (warm page cache throughout, nothing is dropped; throughput is
-always *plaintext* bytes / second, 1 GB = 1e9 bytes):
+What it measures (throughput is always *plaintext* bytes / second, 1 GB = 1e9
+bytes):
 
 * raw store / raw load -- the unencrypted baseline. The prefix's bytes, in
   tenantkv's on-disk order (layer-major: for each layer, all 64-token blocks
@@ -17,17 +17,27 @@ always *plaintext* bytes / second, 1 GB = 1e9 bytes):
   Loading: a ``ThreadPoolExecutor`` with one thread per core, one task per
   layer; a task does one ``os.preadv`` of the layer's ciphertext into its
   thread's preallocated buffer and ``AESGCM.decrypt_into`` of each segment
-  into the preallocated plaintext buffer for that layer. Storing mirrors it
-  (``encrypt_into`` + ``os.pwrite`` per layer, then fsync + rename). Both are
-  also run with a single thread. Nothing in tenantkv can be faster than this
-  with the same cipher, so ``tenantkv load / aes-gcm load`` is the efficiency
-  figure (target >= 0.7).
+  into the preallocated plaintext buffer for that layer (also run with a
+  single thread). Storing mirrors it (``encrypt_into`` + ``os.pwrite`` per
+  layer, then fsync + rename), through the page cache and, as a second limit,
+  with ``O_DIRECT`` from page-aligned buffers; the store limit is the faster
+  of the two. Nothing in tenantkv can be faster than this with the same
+  cipher, so ``tenantkv load / aes-gcm load`` (target >= 0.7) and ``tenantkv
+  store / encrypted store limit`` (target >= 0.8) are the efficiency figures.
 
 * tenantkv store / tenantkv load -- the public API: ``ns.store(tokens,
-  layers)`` of a fresh random prefix per repetition (its extent dropped, untimed,
-  after the rep, as the raw baseline unlinks its file), and the time from calling
-  ``ns.load(prefix)`` until the last layer has been received (plus time to
-  first layer). Skipped with ``--skip-tenantkv``.
+  layers)`` of a fresh random prefix per round (its extent dropped, untimed,
+  after the round, as the baselines unlink their files), and the time from
+  calling ``ns.load(prefix)`` until the last layer has been received (plus
+  time to first layer). Skipped with ``--skip-tenantkv``.
+
+* a long prefix stored in steps -- ``--long-tokens`` (default 131,072) stored
+  as a conversation grows, ``--long-step`` tokens (default 16,384) at a time
+  with ``start=``; its GB/s against the smallest store size's (target >= 0.8).
+
+Stores (``--store-tokens``, default 8,192 and 32,768) run in rounds in which
+every method stores once, in rotating order (a noisy neighbour hits all of
+them alike). Loads run on a warm page cache, nothing dropped.
 
 The default size is a DeepSeek-V3-shaped prefix: 61 layers x 576 bf16 values
 (MLA: kv_lora_rank 512 + rope 64 = 1,152 bytes) per token per layer, 8,192
@@ -36,18 +46,22 @@ region, to decrypt to exactly the original bytes; tenantkv's load is checked
 the same way.
 
 Run:  .venv/bin/python bench/store_load.py [--reps 5] [--tokens 8192]
-      [--layers 61] [--threads N] [--dir /tmp] [--out bench/results]
-      [--skip-tenantkv]
+      [--store-tokens 8192,32768] [--long-tokens 131072] [--long-step 16384]
+      [--long-reps 3] [--layers 61] [--threads N] [--dir /tmp]
+      [--out bench/results] [--skip-tenantkv] [--skip-store] [--skip-load]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
+import mmap
 import os
 import random
 import shutil
+import statistics
 import struct
 import sys
 import tempfile
@@ -313,6 +327,70 @@ def aes_store(
     publish(fd, tmp, path, dir_fd)
 
 
+DIRECT_ALIGN = 4096  # O_DIRECT: page-aligned offsets, lengths and memory
+
+
+def direct_layer_bytes(shape: Shape) -> int:
+    """One layer's ciphertext rounded up to whole pages: the direct limit's file puts every
+    layer at a page-aligned offset, so each layer is one O_DIRECT write from its buffer."""
+    return -(-shape.layer_ct_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+class DirectLayerWorkers(LayerWorkers):
+    """:class:`LayerWorkers` whose per-thread buffers are page-aligned (anonymous mmaps),
+    one layer rounded up to whole pages, for ``O_DIRECT`` writes."""
+
+    def _init_thread(self) -> None:
+        whole = memoryview(mmap.mmap(-1, direct_layer_bytes(self._shape)))
+        self._local.whole = whole
+        self._local.segments = split(whole, self._shape.ct_spans)
+
+
+def aes_store_direct(
+    path: Path,
+    plain_segments: Sequence[Sequence[memoryview]],
+    cipher: SegmentCipher,
+    workers: DirectLayerWorkers,
+    shape: Shape,
+    dir_fd: int,
+) -> None:
+    """The aes-gcm store limit past the page cache: like :func:`aes_store`, but each layer is
+    written with ``O_DIRECT`` from its page-aligned buffer at a page-aligned offset (the pad
+    after each layer is at most 4 KiB), then fsync + rename + directory fsync."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    encrypt_into = cipher.aead.encrypt_into
+    stride = direct_layer_bytes(shape)
+
+    def seal_layer(layer: int) -> None:
+        whole, segments = workers.scratch()
+        src, nonces, aads = plain_segments[layer], cipher.nonces[layer], cipher.aads[layer]
+        for b, out in enumerate(segments):
+            encrypt_into(nonces[b], src[b], aads[b], out)
+        pwrite_full(fd, whole, layer * stride)
+
+    try:
+        workers.run(seal_layer, shape.layers)
+    except BaseException:
+        os.close(fd)
+        raise
+    publish(fd, tmp, path, dir_fd)
+
+
+def direct_io_supported(directory: Path) -> bool:
+    """Whether files under ``directory`` can be opened ``O_DIRECT`` (tmpfs cannot, for one)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".direct-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
 def aes_load(
     fd: int,
     dst_segments: Sequence[Sequence[memoryview]],
@@ -340,38 +418,22 @@ def aes_load(
 def bench_baselines(
     shape: Shape, plain: list[bytearray], workdir: Path, reps: int, threads: int
 ) -> list[Result]:
-    """Raw and AES-GCM store/load; returns [stores..., loads...]."""
+    """Raw and AES-GCM loads (the stores are measured by :func:`bench_stores`)."""
     plain_views = [memoryview(b) for b in plain]
     plain_segments = [split(v, shape.pt_spans) for v in plain_views]
     dst = [bytearray(shape.layer_bytes) for _ in range(shape.layers)]
     dst_views = [memoryview(b) for b in dst]
     dst_segments = [split(v, shape.pt_spans) for v in dst_views]
     thread_counts = sorted({threads, 1}, reverse=True)
-    stores: list[Result] = []
     loads: list[Result] = []
-
-    def unlink(path_of: Callable[[int], Path]) -> Callable[[int], None]:
-        def remove(rep: int) -> None:
-            path_of(rep).unlink()
-
-        return remove
 
     dir_fd = os.open(workdir, os.O_RDONLY)
     pools = {n: LayerWorkers(n, shape) for n in thread_counts}
     cipher = SegmentCipher(shape)
     try:
         # ---- raw -------------------------------------------------------------
-        def raw_path(rep: int) -> Path:
-            return workdir / f"raw-store-{rep}.bin"
-
-        def raw_store_rep(rep: int) -> None:
-            raw_store(raw_path(rep), plain_views, dir_fd)
-
         raw_file = workdir / "raw.bin"
-        raw_store(raw_file, plain_views, dir_fd)  # warm-up, untimed; the file the loads read
-        secs = repeat(stopwatch(raw_store_rep), reps, after=unlink(raw_path))
-        stores.append(Result("raw store: write+fsync", "raw", 1, shape.total_bytes, secs))
-
+        raw_store(raw_file, plain_views, dir_fd)  # untimed; the file the loads read
         fd = os.open(raw_file, os.O_RDONLY)
         try:
             zero(dst)
@@ -383,21 +445,6 @@ def bench_baselines(
         loads.append(Result("raw load: preadv", "raw", 1, shape.total_bytes, secs))
 
         # ---- AES-256-GCM -----------------------------------------------------
-        for n in thread_counts:
-            pool = pools[n]
-
-            def aes_path(rep: int, n: int = n) -> Path:
-                return workdir / f"aes-store-{n}-{rep}.bin"
-
-            def aes_store_rep(rep: int, pool: LayerWorkers = pool) -> None:
-                aes_store(aes_path(rep), plain_segments, cipher, pool, shape, dir_fd)
-
-            aes_store_rep(-1)  # warm-up, untimed
-            aes_path(-1).unlink()
-            secs = repeat(stopwatch(aes_store_rep), reps, after=unlink(aes_path))
-            name = "aes-gcm store: encrypt_into+pwrite+fsync"
-            stores.append(Result(name, "aes-gcm", n, shape.total_bytes, secs))
-
         aes_file = workdir / "aes.bin"
         aes_store(aes_file, plain_segments, cipher, pools[thread_counts[0]], shape, dir_fd)
         size = aes_file.stat().st_size
@@ -422,7 +469,7 @@ def bench_baselines(
         for pool in pools.values():
             pool.close()
         os.close(dir_fd)
-    return stores + loads
+    return loads
 
 
 # --------------------------------------------------------------------------- #
@@ -454,7 +501,6 @@ def import_tenantkv() -> ModuleType:
 
 @dataclass
 class TenantkvResults:
-    store: Result
     load: Result
     first_layer_seconds: list[float]
 
@@ -478,43 +524,10 @@ def bench_tenantkv(
         )
         ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
 
-        # ---- store: a fresh random prefix per repetition ---------------------
-        prefix = fresh_prefix()  # also the prefix the loads read back
-        stored = [ns.store(prefix, layers)]  # untimed warm-up
-        pending: list[list[int]] = []
-
-        def store_once(_: int) -> float:
-            tokens = pending.pop()
-            t0 = time.perf_counter()
-            n_new = ns.store(tokens, layers)
-            elapsed = time.perf_counter() - t0
-            stored.append(n_new)
-            return elapsed
-
-        kept = set(kv.context.blocks.list())  # the warm-up prefix, which the loads read
-
-        def drop_stored(_: int) -> None:
-            # Untimed, like the raw baseline's unlink after each rep: every rep writes into a
-            # page cache in the same state instead of on top of the previous reps' files.
-            for extent_id in set(kv.context.blocks.list()) - kept:
-                kv.context.remover.drop_now(extent_id)
-
-        store_secs = repeat(
-            store_once, reps, before=lambda _: pending.append(fresh_prefix()), after=drop_stored
-        )
-        if len(set(stored)) != 1 or stored[0] <= 0:
-            raise RuntimeError(
-                f"ns.store returned inconsistent new-token counts {stored} for fresh prefixes"
-            )
-        if stored[0] != shape.tokens:
-            print(f"warning: ns.store stored {stored[0]} of {shape.tokens} tokens per fresh prefix")
-        store = Result(
-            "tenantkv store",
-            "tenantkv",
-            None,
-            stored[0] * shape.layers * shape.token_bytes,
-            store_secs,
-        )
+        # The prefix the loads read back: stored once, untimed (stores: bench_stores).
+        prefix = fresh_prefix()
+        if ns.store(prefix, layers) != shape.tokens:
+            raise RuntimeError("ns.store did not store the whole fresh prefix")
 
         # ---- load ------------------------------------------------------------
         n = ns.lookup(prefix)
@@ -564,7 +577,302 @@ def bench_tenantkv(
         load = Result(
             "tenantkv load", "tenantkv", None, n * shape.layers * shape.token_bytes, load_secs
         )
-    return TenantkvResults(store, load, first_layer)
+    return TenantkvResults(load, first_layer)
+
+
+# --------------------------------------------------------------------------- #
+# Stores: tenantkv against the store limits, rep by rep; a long prefix in steps
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class StoreRun:
+    """The store results of one prefix size, and the limit the target is measured against."""
+
+    tokens: int
+    results: list[Result]
+
+    def get(self, group: str, prefix: str) -> Result | None:
+        return next(
+            (r for r in self.results if r.group == group and r.name.startswith(prefix)), None
+        )
+
+    @property
+    def tenantkv(self) -> Result | None:
+        return next((r for r in self.results if r.group == "tenantkv"), None)
+
+    @property
+    def limit(self) -> Result:
+        """The encrypted store limit: the faster (by median) of the buffered and the direct
+        aes-gcm store, so that neither way of writing flatters tenantkv."""
+        limits = [r for r in self.results if r.group == "aes-gcm"]
+        return max(limits, key=lambda r: r.median_gbps)
+
+
+def tokens_label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def bench_stores(
+    tenantkv: ModuleType | None,
+    shape: Shape,
+    plain: Sequence[memoryview],
+    workdir: Path,
+    reps: int,
+    threads: int,
+    seed: int,
+) -> StoreRun:
+    """Raw, aes-gcm (buffered and O_DIRECT) and tenantkv stores of one prefix size.
+
+    The methods take turns: each round stores once with every method, in an order rotated by
+    one each round, so that a burst of other load on the shared machine (or the disk's own
+    writeback) falls on all of them alike instead of on whichever ran during it. Every store
+    writes a new file (or a fresh random prefix), removed untimed after the round. One untimed
+    round first.
+    """
+    label = tokens_label(shape.tokens)
+    plain_segments = [split(v, shape.pt_spans) for v in plain]
+    directory = workdir / f"stores-{shape.tokens}"
+    directory.mkdir()
+    dir_fd = os.open(directory, os.O_RDONLY)
+    pool = LayerWorkers(threads, shape)
+    direct = direct_io_supported(directory)
+    direct_pool = DirectLayerWorkers(threads, shape) if direct else None
+    cipher = SegmentCipher(shape)
+    methods: list[tuple[Result, Callable[[int], float], Callable[[int], None]]] = []
+
+    def file_method(
+        name: str, group: str, n: int, store: Callable[[Path], None]
+    ) -> tuple[Result, Callable[[int], float], Callable[[int], None]]:
+        index = len(methods)
+
+        def path(rep: int) -> Path:
+            return directory / f"{group}-{n}-{index}-{rep}.bin"
+
+        return (
+            Result(f"{label}: {name}", group, n, shape.total_bytes, []),
+            stopwatch(lambda rep: store(path(rep))),
+            lambda rep: path(rep).unlink(),
+        )
+
+    methods.append(
+        file_method("raw store: write+fsync", "raw", 1, lambda p: raw_store(p, plain, dir_fd))
+    )
+    methods.append(
+        file_method(
+            "aes-gcm store: encrypt_into+pwrite+fsync",
+            "aes-gcm",
+            threads,
+            lambda p: aes_store(p, plain_segments, cipher, pool, shape, dir_fd),
+        )
+    )
+    if direct_pool is not None:
+        dpool = direct_pool
+        methods.append(
+            file_method(
+                "aes-gcm store: encrypt_into+O_DIRECT pwrite+fsync",
+                "aes-gcm",
+                threads,
+                lambda p: aes_store_direct(p, plain_segments, cipher, dpool, shape, dir_fd),
+            )
+        )
+    else:
+        print(f"note: {directory} refuses O_DIRECT; the store limit is the buffered one")
+
+    kv = None
+    try:
+        if tenantkv is not None:
+            kv = tenantkv.open(workdir / f"tenantkv-stores-{shape.tokens}")
+            kv.create_tenant("bench", quota_bytes=64 * 2**30)
+            layout = tenantkv.KVLayout.mla(
+                num_layers=shape.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
+            )
+            ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+            layers = [
+                torch.frombuffer(v, dtype=DTYPE).view(shape.tokens, shape.values_per_token)
+                for v in plain
+            ]
+            rng = random.Random(seed)
+            context = kv.context
+
+            def tenantkv_store(_: int) -> float:
+                tokens = [rng.randrange(VOCAB_SIZE) for _ in range(shape.tokens)]
+                t0 = time.perf_counter()
+                stored = ns.store(tokens, layers)
+                elapsed = time.perf_counter() - t0
+                if stored != shape.tokens:
+                    raise RuntimeError(f"ns.store stored {stored} of {shape.tokens} fresh tokens")
+                return elapsed
+
+            def drop_stored(_: int) -> None:
+                # Untimed, like the files' unlink: every round writes into the same state.
+                for extent_id in list(context.blocks.list()):
+                    context.remover.drop_now(extent_id)
+
+            result = Result(f"{label}: tenantkv store", "tenantkv", None, shape.total_bytes, [])
+            methods.append((result, tenantkv_store, drop_stored))
+
+        for rnd in range(-1, reps):  # round -1: warm-up, untimed
+            shift = max(rnd, 0) % len(methods)
+            for result, measure, cleanup in methods[shift:] + methods[:shift]:
+                seconds = repeat(lambda _, m=measure, r=rnd: m(r), 1)[0]
+                cleanup(rnd)
+                if rnd >= 0:
+                    result.seconds.append(seconds)
+    finally:
+        if kv is not None:
+            kv.close()
+        pool.close()
+        if direct_pool is not None:
+            direct_pool.close()
+        os.close(dir_fd)
+    return StoreRun(shape.tokens, [result for result, _, _ in methods])
+
+
+@dataclass
+class LongStoreRun:
+    """Stepwise stores of one long prefix: ``tokens`` in steps of ``step`` with ``start=``."""
+
+    tokens: int
+    step: int
+    total: Result  # the whole prefix, every step
+    steps: list[list[float]]  # per rep, the seconds of each step
+
+
+def bench_long_store(
+    tenantkv: ModuleType,
+    shape: Shape,
+    step_plain: Sequence[memoryview],
+    workdir: Path,
+    reps: int,
+    seed: int,
+) -> LongStoreRun:
+    """A long conversation's stores: a fresh ``shape.tokens``-token prefix stored in steps of
+    ``len(step_plain[0])`` tokens, each step passing only its new tokens' KV with ``start=``
+    (the issue stores 128K tokens in eight 16K-token steps). Every step's layers are the same
+    ``step_plain`` bytes (what matters is that they are new blocks, not their values). Timed:
+    all steps of one prefix; the prefix is looked up (untimed) to check every block was stored,
+    then dropped."""
+    step_tokens = len(step_plain[0]) // shape.token_bytes
+    layers = [
+        torch.frombuffer(v, dtype=DTYPE).view(step_tokens, shape.values_per_token)
+        for v in step_plain
+    ]
+    rng = random.Random(seed + 1)
+    steps: list[list[float]] = []
+    total = Result(
+        f"{tokens_label(shape.tokens)} in {tokens_label(step_tokens)} steps: tenantkv store",
+        "tenantkv",
+        None,
+        shape.total_bytes,
+        [],
+    )
+    with tenantkv.open(workdir / "tenantkv-long") as kv:
+        kv.create_tenant("bench", quota_bytes=64 * 2**30)
+        layout = tenantkv.KVLayout.mla(
+            num_layers=shape.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
+        )
+        ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+        for rep in range(-1, reps):  # rep -1: warm-up, untimed
+            tokens = [rng.randrange(VOCAB_SIZE) for _ in range(shape.tokens)]
+            times: list[float] = []
+            gc.collect()
+            gc.disable()
+            try:
+                for start in range(0, shape.tokens, step_tokens):
+                    t0 = time.perf_counter()
+                    stored = ns.store(tokens[: start + step_tokens], layers, start=start)
+                    times.append(time.perf_counter() - t0)
+                    if stored != step_tokens:
+                        raise RuntimeError(f"step at {start}: stored {stored} of {step_tokens}")
+            finally:
+                gc.enable()
+            if ns.lookup(tokens) != shape.tokens:
+                raise AssertionError("the long prefix is not cached whole after its steps")
+            for extent_id in list(kv.context.blocks.list()):
+                kv.context.remover.drop_now(extent_id)
+            if rep >= 0:
+                steps.append(times)
+                total.seconds.append(sum(times))
+    return LongStoreRun(shape.tokens, step_tokens, total, steps)
+
+
+STORE_TARGET = 0.8  # tenantkv store / encrypted store limit; long prefix / 8K figure
+
+
+def store_ratios(
+    runs: Sequence[StoreRun], long_run: LongStoreRun | None
+) -> list[tuple[str, float, str]]:
+    out: list[tuple[str, float, str]] = []
+    for run in runs:
+        label = tokens_label(run.tokens)
+        tkv, limit = run.tenantkv, run.limit
+        raw = run.get("raw", f"{label}: raw store")
+        buffered = run.get("aes-gcm", f"{label}: aes-gcm store: encrypt_into+pwrite")
+        direct = run.get("aes-gcm", f"{label}: aes-gcm store: encrypt_into+O_DIRECT")
+        if tkv is not None:
+            ratio = tkv.median_gbps / limit.median_gbps
+            verdict = "meets" if ratio >= STORE_TARGET else "BELOW"
+            which = "O_DIRECT" if limit is direct else "buffered"
+            out.append(
+                (
+                    f"{label}: tenantkv store / encrypted store limit",
+                    ratio,
+                    f"{verdict} target >= {STORE_TARGET} (limit: aes-gcm {which})",
+                )
+            )
+            if raw is not None:
+                out.append(
+                    (f"{label}: tenantkv store / raw store", tkv.median_gbps / raw.median_gbps, "")
+                )
+        if buffered is not None and direct is not None:
+            out.append(
+                (
+                    f"{label}: aes-gcm store O_DIRECT / buffered",
+                    direct.median_gbps / buffered.median_gbps,
+                    "page-cache cost",
+                )
+            )
+    base = next((r.tenantkv for r in runs if r.tenantkv is not None), None)
+    if long_run is not None and base is not None:
+        ratio = long_run.total.median_gbps / base.median_gbps
+        verdict = "meets" if ratio >= STORE_TARGET else "BELOW"
+        out.append(
+            (
+                f"{tokens_label(long_run.tokens)} stepwise / {tokens_label(runs[0].tokens)} "
+                "tenantkv store",
+                ratio,
+                f"{verdict} target >= {STORE_TARGET}",
+            )
+        )
+    return out
+
+
+def print_store_report(
+    runs: Sequence[StoreRun], long_run: LongStoreRun | None, reps: int
+) -> list[tuple[str, float, str]]:
+    results = [r for run in runs for r in run.results]
+    if long_run is not None:
+        results.append(long_run.total)
+    print(f"Stores ({reps} rounds, methods in rotating order; GB/s of plaintext)")
+    print(format_table(results))
+    if long_run is not None:
+        label = f"step GB/s ({tokens_label(long_run.step)} tokens each)"
+        step_bytes = long_run.step * long_run.total.nbytes // long_run.tokens
+        print()
+        print(f"{'step':>4}  {'prefix after':>12}  {label:>32}")
+        for i in range(len(long_run.steps[0])):
+            gbps = sorted(step_bytes / rep[i] / GB for rep in long_run.steps)
+            lo, mid, hi = gbps[0], statistics.median(gbps), gbps[-1]
+            tokens = tokens_label((i + 1) * long_run.step)
+            print(f"{i + 1:>4}  {tokens:>12}  {lo:>10.3f} / {mid:>6.3f} / {hi:>6.3f} (min/med/max)")
+    rows = store_ratios(runs, long_run)
+    name_w = max(len(name) for name, _, _ in rows) if rows else 0
+    print()
+    print("Store ratios of medians (same run)")
+    for name, value, note in rows:
+        print(f"  {name:<{name_w}}  {value:>6.3f}  {note}")
+    return rows
 
 
 # --------------------------------------------------------------------------- #
@@ -579,8 +887,8 @@ def find(results: Sequence[Result], prefix: str, threads: int) -> Result:
 def ratios(
     results: Sequence[Result], tkv: TenantkvResults | None, threads: int
 ) -> list[tuple[str, float, str]]:
-    raw_w, raw_r = find(results, "raw store", 1), find(results, "raw load", 1)
-    aes_w, aes_r = find(results, "aes-gcm store", threads), find(results, "aes-gcm load", threads)
+    raw_r = find(results, "raw load", 1)
+    aes_r = find(results, "aes-gcm load", threads)
     aes_r1 = find(results, "aes-gcm load", 1)
     out: list[tuple[str, float, str]] = []
     if tkv is not None:
@@ -594,12 +902,6 @@ def ratios(
             ),
             ("tenantkv load / aes-gcm load (1 thr)", tkv.load.median_gbps / aes_r1.median_gbps, ""),
             ("tenantkv load / raw load", tkv.load.median_gbps / raw_r.median_gbps, ""),
-            ("tenantkv store / raw store", tkv.store.median_gbps / raw_w.median_gbps, ""),
-            (
-                f"tenantkv store / aes-gcm store limit ({threads} thr)",
-                tkv.store.median_gbps / aes_w.median_gbps,
-                "",
-            ),
         ]
     out += [
         (
@@ -607,7 +909,6 @@ def ratios(
             aes_r.median_gbps / raw_r.median_gbps,
             "cost of crypto",
         ),
-        (f"aes-gcm store ({threads} thr) / raw store", aes_w.median_gbps / raw_w.median_gbps, ""),
     ]
     if threads > 1:
         scaling = aes_r.median_gbps / aes_r1.median_gbps
@@ -662,11 +963,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where the PNG/JSON go")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-tenantkv", action="store_true", help="measure only the baselines")
+    p.add_argument(
+        "--store-tokens",
+        type=_token_list,
+        default=[8192, 32768],
+        help="prefix sizes of the store comparison, comma-separated (default 8192,32768)",
+    )
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=131072,
+        help="the long prefix stored in steps with start= (default 131072; 0: skip)",
+    )
+    p.add_argument("--long-step", type=int, default=16384, help="tokens per step (default 16384)")
+    p.add_argument("--long-reps", type=int, default=3, help="long-prefix repetitions (default 3)")
+    p.add_argument("--skip-store", action="store_true", help="measure only the loads")
+    p.add_argument("--skip-load", action="store_true", help="measure only the stores")
     args = p.parse_args(argv)
-    for name in ("tokens", "layers", "reps", "threads"):
+    for name in ("tokens", "layers", "reps", "threads", "long_step", "long_reps"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.long_tokens < 0 or args.long_tokens % args.long_step:
+        p.error("--long-tokens must be a multiple of --long-step (or 0)")
+    if any(t % BLOCK_TOKENS for t in [*args.store_tokens, args.long_step]):
+        p.error(f"store sizes and --long-step must be multiples of {BLOCK_TOKENS} tokens")
     return args
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}")
+    return values
 
 
 def describe_data(shape: Shape, reps: int, threads: int, releases_gil: bool) -> dict[str, str]:
@@ -718,6 +1049,85 @@ def write_outputs(
     return png, js
 
 
+def write_store_outputs(
+    out: Path,
+    machine: dict[str, str],
+    layers: int,
+    reps: int,
+    runs: Sequence[StoreRun],
+    long_run: LongStoreRun | None,
+    rows: Sequence[tuple[str, float, str]],
+) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    png, js = out / "store_path.png", out / "store_path.json"
+    results = [r for run in runs for r in run.results]
+    if long_run is not None:
+        results.append(long_run.total)
+    crypto_version = machine["cryptography"].split()[0]
+    title = (
+        f"tenantkv store vs the encrypted store limit: {layers} layers x 576 bf16, "
+        f"{reps} rounds (methods alternating)\n"
+        f"{machine['cpu']}, {machine['cores']} cores, python {machine['python']}, "
+        f"cryptography {crypto_version}"
+    )
+    plot_results(results, png, title)
+    report = {
+        "machine": machine,
+        "layers": layers,
+        "reps": reps,
+        "stores": [
+            {"tokens": run.tokens, "results": [r.as_dict() for r in run.results]} for run in runs
+        ],
+        "long": None
+        if long_run is None
+        else {
+            "tokens": long_run.tokens,
+            "step": long_run.step,
+            "total": long_run.total.as_dict(),
+            "step_seconds": long_run.steps,
+        },
+        "ratios": {name: value for name, value, _ in rows},
+    }
+    js.write_text(json.dumps(report, indent=2) + "\n")
+    return png, js
+
+
+def run_stores(
+    args: argparse.Namespace, tenantkv: ModuleType | None, workdir: Path, machine: dict[str, str]
+) -> None:
+    """The store part: tenantkv against the store limits at each ``--store-tokens`` size, then
+    the long prefix in steps; tables, ratios, PNG and JSON."""
+    sizes = args.store_tokens
+    long_tokens = 0 if tenantkv is None else args.long_tokens
+    widest = max([*sizes, min(args.long_step, long_tokens)])
+    need = 2 * Shape(args.layers, max([*sizes, long_tokens])).total_ct_bytes
+    free = shutil.disk_usage(workdir).free
+    if need > free:
+        sys.exit(f"error: stores need ~{need / GB:.1f} GB free in {workdir}, have {free / GB:.1f}")
+    # One plaintext, as wide as the widest store; smaller stores use the front of each layer.
+    plain = make_plaintext(Shape(args.layers, widest), args.seed)
+    runs = []
+    for tokens in sizes:
+        shape = Shape(args.layers, tokens)
+        print(f"measuring stores of {tokens} tokens ...", flush=True)
+        views = [memoryview(b)[: shape.layer_bytes] for b in plain]
+        runs.append(
+            bench_stores(tenantkv, shape, views, workdir, args.reps, args.threads, args.seed)
+        )
+    long_run = None
+    if tenantkv is not None and long_tokens:
+        shape = Shape(args.layers, long_tokens)
+        step_bytes = args.long_step * shape.token_bytes
+        print(f"measuring {long_tokens} tokens stored in {args.long_step}-token steps ...")
+        views = [memoryview(b)[:step_bytes] for b in plain]
+        long_run = bench_long_store(tenantkv, shape, views, workdir, args.long_reps, args.seed)
+    del plain
+    print()
+    rows = print_store_report(runs, long_run, args.reps)
+    png, js = write_store_outputs(args.out, machine, args.layers, args.reps, runs, long_run, rows)
+    print(f"\nplot: {png}\njson: {js}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tenantkv = None if args.skip_tenantkv else import_tenantkv()
@@ -728,22 +1138,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_kv("Machine", machine)
         releases_gil = aesgcm_releases_gil()
         print_kv("Data", describe_data(shape, args.reps, args.threads, releases_gil))
+        if not args.skip_store:
+            run_stores(args, tenantkv, workdir, machine)
+        if args.skip_load:
+            return 0
 
-        copies = 3 + (0 if tenantkv is None else args.reps + 1)
+        copies = 3 + (0 if tenantkv is None else 1)
         need, free = copies * shape.total_ct_bytes, shutil.disk_usage(workdir).free
         if need > free:
             sys.exit(f"error: need ~{need / GB:.1f} GB free in {workdir}, have {free / GB:.1f} GB")
 
         plain = make_plaintext(shape, args.seed)
-        print("measuring baselines ...", flush=True)
+        print("measuring load baselines ...", flush=True)
         (workdir / "baselines").mkdir()
         results = bench_baselines(shape, plain, workdir / "baselines", args.reps, args.threads)
         tkv: TenantkvResults | None = None
         if tenantkv is not None:
-            print("measuring tenantkv ...", flush=True)
+            print("measuring tenantkv loads ...", flush=True)
             tkv = bench_tenantkv(tenantkv, workdir / "tenantkv", shape, plain, args.reps, args.seed)
-            n_stores = sum(1 for r in results if "store" in r.name)
-            results = [*results[:n_stores], tkv.store, *results[n_stores:], tkv.load]
+            results = [*results, tkv.load]
         print()
         rows = print_report(results, tkv, args.threads, args.reps)
         png, js = write_outputs(

@@ -18,6 +18,7 @@ a store that evicts on its own may lose extents, which the cache treats as misse
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -26,6 +27,8 @@ from typing import Self
 from typing_extensions import Buffer
 
 from .errors import StorageError
+
+_scratch = threading.local()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +65,26 @@ class ExtentWriter(abc.ABC):
         Regions written must not overlap; the extent's size is the end of the furthest region.
         Lets workers seal and write disjoint parts of an extent in parallel.
         """
+
+    def reserve(self, size: int) -> None:  # noqa: B027 - optional hint, most backends ignore it
+        """Hint that the extent will be ``size`` bytes: a backend may allocate the space now
+        (a full disk then fails before anything is sealed). Writes still decide the extent's
+        size; the default ignores the hint."""
+
+    def scratch(self, offset: int, size: int) -> memoryview:
+        """A writable buffer of ``size`` bytes for the calling thread to fill with the bytes
+        that it will then pass to :meth:`write_at` at ``offset``.
+
+        Backends that write from memory directly (``O_DIRECT``) hand out memory placed the way
+        the device needs it, so that the write needs no copy; others a reused per-thread buffer
+        (fresh memory costs page faults). The buffer belongs to the calling thread and is
+        valid until its next ``scratch`` call; its contents are unspecified.
+        """
+        buffer: bytearray | None = getattr(_scratch, "buffer", None)
+        if buffer is None or len(buffer) < size:
+            buffer = bytearray(size)
+            _scratch.buffer = buffer
+        return memoryview(buffer)[:size]
 
     @abc.abstractmethod
     def commit(self, *, retain_for: float | None = None) -> str:

@@ -94,6 +94,13 @@ class _TieredWriter(ExtentWriter):
         with self._lock:
             return list(self._hot.items())
 
+    def reserve(self, size: int) -> None:
+        self._cold.reserve(size)
+
+    def scratch(self, offset: int, size: int) -> memoryview:
+        # The cold tier's memory: a local cold tier writes it with O_DIRECT without a copy.
+        return self._cold.scratch(offset, size)
+
     def write(self, data: Buffer) -> None:
         self._cold.write(data)
         for tier, writer in self._hot_writers():

@@ -19,8 +19,9 @@ from tenantkv.storage import BlockStore, LocalBlockStore, TieredBlockStore
 
 REDIS_URL = os.environ.get("TENANTKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 #: ``local`` maps extents for reading where the file system allows it (the default);
-#: ``local-preadv`` reads them with ``preadv`` (``map_reads=False``).
-BACKENDS = ("local", "local-preadv", "redis", "tiered")
+#: ``local-preadv`` reads them with ``preadv`` (``map_reads=False``); ``local-direct`` writes
+#: them with ``O_DIRECT``, as a durable store does.
+BACKENDS = ("local", "local-preadv", "local-direct", "redis", "tiered")
 
 
 def redis_client() -> Any:
@@ -60,6 +61,8 @@ def make_store(kind: str, root: Path, prefix: str) -> BlockStore:
     """A fresh store of ``kind`` (non-durable: tests) on ``root`` and/or under ``prefix``."""
     if kind in ("local", "local-preadv"):
         return LocalBlockStore(root, durable=False, map_reads=kind == "local")
+    if kind == "local-direct":  # O_DIRECT writes, as a durable store makes them
+        return LocalBlockStore(root, durable=False, direct=True)
     redis_client().close()  # skip cleanly without redis-py
     from tenantkv.storage.redis_store import RedisBlockStore
 

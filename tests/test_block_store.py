@@ -4,7 +4,9 @@ model check plus targeted cases. Tests of the local layout (paths, modes) use ``
 from __future__ import annotations
 
 import array
+import errno
 import os
+import random
 import re
 import shutil
 import stat
@@ -12,9 +14,10 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, note, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -34,7 +37,13 @@ from tenantkv.storage import (
     ShortReadError,
     StorageError,
 )
-from tests.block_stores import BACKENDS, drop_prefix, make_store, new_prefix, temporaries
+from tests.block_stores import (
+    BACKENDS,
+    drop_prefix,
+    make_store,
+    new_prefix,
+    temporaries,
+)
 
 ID_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -266,6 +275,10 @@ class PreadvBlockStoreMachine(BlockStoreMachine):
     backend = "local-preadv"
 
 
+class DirectBlockStoreMachine(BlockStoreMachine):
+    backend = "local-direct"
+
+
 class RedisBlockStoreMachine(BlockStoreMachine):
     backend = "redis"
 
@@ -286,8 +299,10 @@ BlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
 PreadvBlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
 RedisBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
 TieredBlockStoreMachine.TestCase.settings = _NETWORK_SETTINGS
+DirectBlockStoreMachine.TestCase.settings = _MACHINE_SETTINGS
 TestBlockStoreMachine = BlockStoreMachine.TestCase
 TestPreadvBlockStoreMachine = PreadvBlockStoreMachine.TestCase
+TestDirectBlockStoreMachine = DirectBlockStoreMachine.TestCase
 TestRedisBlockStoreMachine = RedisBlockStoreMachine.TestCase
 TestTieredBlockStoreMachine = TieredBlockStoreMachine.TestCase
 
@@ -681,3 +696,113 @@ def test_write_at_after_abort_raises_and_leaves_nothing(local_store: LocalBlockS
     with pytest.raises(StorageError):
         writer.write_at(0, b"head")
     assert list(local_store.list()) == [] and _parts(local_store) == []
+
+
+# Regions of an extent: (gap before, length, how the bytes are handed over), laid out one after
+# another. Lengths cross 4 KiB page boundaries, gaps leave holes, and the three ways of passing
+# bytes take the direct writer's three paths (page-placed scratch memory, unaligned writable
+# memory through the bounce buffer, read-only bytes).
+_REGIONS = st.lists(
+    st.tuples(
+        st.integers(0, 5000),
+        st.integers(0, 3 * 4096 + 100),
+        st.sampled_from(["scratch", "bytearray", "bytes"]),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(regions=_REGIONS, seed=st.integers(0, 2**32 - 1))
+def test_direct_writes_give_the_bytes_of_plain_writes(
+    tmp_path_factory: pytest.TempPathFactory, regions: list[tuple[int, int, str]], seed: int
+) -> None:
+    """O_DIRECT writes (whole pages direct, the pieces of partly covered pages buffered)
+    produce the same file as plain pwrite: bytes where regions were written, zeros in holes, and
+    the size of the furthest region. The plain writer is the positive control of the
+    comparison."""
+    rng = random.Random(seed)
+    root = tmp_path_factory.mktemp("direct")
+    direct = LocalBlockStore(root / "direct", durable=True, direct=True)
+    plain = LocalBlockStore(root / "plain", durable=False, direct=False)
+    assert direct.direct and not plain.direct
+    placed, offset = [], 0
+    for gap, length, how in regions:
+        offset += gap
+        placed.append((offset, rng.randbytes(length), how))
+        offset += length
+    # An empty write does not extend a file (pwrite of nothing), so only written bytes count.
+    expected = bytearray(max((start + len(data) for start, data, _ in placed if data), default=0))
+    for start, data, _ in placed:
+        expected[start : start + len(data)] = data
+    ids = []
+    for store in (direct, plain):
+        with store.create() as writer, ThreadPoolExecutor(3) as pool:
+
+            def put(item: tuple[int, bytes, str], writer: ExtentWriter = writer) -> None:
+                start, data, how = item
+                if how == "scratch":
+                    buffer = writer.scratch(start, len(data))
+                    buffer[:] = data
+                    writer.write_at(start, buffer)
+                elif how == "bytearray":
+                    writer.write_at(start, memoryview(bytearray(b"\0" + data))[1:])
+                else:
+                    writer.write_at(start, data)
+
+            list(pool.map(put, reversed(placed)))  # out of order and concurrently
+            ids.append(writer.commit())
+    assert direct.direct, "the file system refused O_DIRECT: the direct path went untested"
+    assert _read_all(direct, ids[0]) == bytes(expected)
+    assert _read_all(plain, ids[1]) == bytes(expected)
+
+
+def test_durable_stores_write_direct_and_can_opt_out(tmp_path: Path) -> None:
+    assert LocalBlockStore(tmp_path / "a").direct is True
+    assert LocalBlockStore(tmp_path / "b", direct=False).direct is False
+    assert LocalBlockStore(tmp_path / "c", durable=False).direct is False
+
+
+def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tmpfs and some FUSE mounts refuse O_DIRECT at open: the store falls back to buffered
+    writes, with the same bytes, once, and says so."""
+    store = LocalBlockStore(tmp_path / "blocks", direct=True)
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    data = os.urandom(3 * 4096 + 17)
+    with store.create() as writer:
+        writer.write_at(5, data)
+        extent_id = writer.commit()
+    monkeypatch.undo()
+    assert store.direct is False
+    with store.open(extent_id) as reader:
+        buffer = bytearray(reader.size)
+        reader.readinto(0, [buffer])
+    assert bytes(buffer) == bytes(5) + data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reserve_allocates_but_the_writes_decide_the_size(tmp_path: Path, direct: bool) -> None:
+    """A reserved extent (fallocate with direct writes) still ends where its furthest write
+    ends: reserving more than is written leaves no zero tail, and a store with nothing but a
+    reservation is empty."""
+    store = LocalBlockStore(tmp_path / "blocks", durable=True, direct=direct)
+    data = os.urandom(2 * 4096 + 100)
+    with store.create() as writer:
+        writer.reserve(10 * 4096)
+        writer.write_at(3, data)
+        extent_id = writer.commit()
+    assert _read_all(store, extent_id) == bytes(3) + data
+    with store.create() as writer:
+        writer.reserve(4096)
+        empty = writer.commit()
+    assert _read_all(store, empty) == b""

@@ -979,3 +979,49 @@ def test_new_key_and_new_salt() -> None:
     assert len(keys) == 64 and all(len(k) == KEY_BYTES for k in keys)
     assert len(salts) == 64 and all(len(s) == SALT_BYTES for s in salts)
     assert ID_BYTES == 16 and BLOCK_KEY_BYTES == 32 and SALT_BYTES == 16
+
+
+def test_seal_many_into_equals_seal_into_per_segment() -> None:
+    """The batched seal is the per-segment seal, segment for segment: the same bytes, and each
+    opens only at its own slot with its own block key (stores use the batch, loads open what it
+    wrote)."""
+    cipher = SealParams().cipher()
+    length, count, first, layer = 48, 5, 7, 3
+    keys = [bytes([i]) * BLOCK_KEY_BYTES for i in range(count)]
+    plaintexts = [memoryview(bytes([65 + i]) * length) for i in range(count)]
+    stride = length + TAG_BYTES
+    batched = bytearray(count * stride)
+    cipher.seal_many_into(first, layer, keys, plaintexts, memoryview(batched))
+    one_by_one = bytearray(count * stride)
+    for j in range(count):
+        out = memoryview(one_by_one)[j * stride : (j + 1) * stride]
+        cipher.seal_into(first + j, layer, keys[j], plaintexts[j], out)
+    assert batched == one_by_one
+    outs = [memoryview(bytearray(length)) for _ in range(count)]
+    cipher.open_many_into(first, layer, keys, memoryview(batched), outs)
+    assert [bytes(o) for o in outs] == [bytes(p) for p in plaintexts]
+    with pytest.raises(SealOpenError):  # one slot off: every segment fails to open
+        cipher.open_many_into(first + 1, layer, keys, memoryview(batched), outs)
+    with pytest.raises(SealOpenError):  # keys swapped
+        cipher.open_many_into(first, layer, keys[::-1], memoryview(batched), outs)
+
+
+@pytest.mark.parametrize("what", ["output", "plaintext", "key", "slot"])
+def test_seal_many_into_refuses_inconsistent_arguments(what: str) -> None:
+    cipher = SealParams().cipher()
+    keys = [BLOCK_KEY, BLOCK_KEY]
+    plaintexts = [memoryview(bytes(32)), memoryview(bytes(32))]
+    out = memoryview(bytearray(2 * (32 + TAG_BYTES)))
+    first = 0
+    if what == "output":
+        out = out[:-1]
+    elif what == "plaintext":
+        plaintexts[1] = memoryview(bytes(31))
+    elif what == "key":
+        keys[1] = BLOCK_KEY[:-1]
+    else:
+        first = 2**64 - 1  # the second segment's slot is out of range
+    with pytest.raises(ValueError):
+        cipher.seal_many_into(first, 0, keys, plaintexts, out)
+    whole = memoryview(bytearray(2 * (32 + TAG_BYTES)))  # positive control
+    cipher.seal_many_into(0, 0, [BLOCK_KEY] * 2, [memoryview(bytes(32))] * 2, whole)

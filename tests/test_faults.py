@@ -52,8 +52,12 @@ class FaultyStore(LocalBlockStore):
         return writer
 
 
-@pytest.fixture
-def faulty(tmp_path: Path, index: Index) -> FaultyStore:
+@pytest.fixture(params=["buffered", "direct"])
+def faulty(request: pytest.FixtureRequest, tmp_path: Path, index: Index) -> FaultyStore:
+    """The faulty store writing through the page cache, and as a durable store writes
+    (fsync, O_DIRECT and a reserved extent)."""
+    if request.param == "direct":
+        return FaultyStore(tmp_path / "cache" / "blocks")
     return FaultyStore(tmp_path / "cache" / "blocks", durable=False)
 
 

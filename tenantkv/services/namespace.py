@@ -22,7 +22,6 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
-from ..buffers import thread_buffer
 from ..context import CacheContext
 from ..crypto import CipherSuite, ExtentCipher, SegmentContext, new_salt
 from ..editing.lineage import EditedPrefix
@@ -72,6 +71,8 @@ logger = logging.getLogger("tenantkv")
 
 # SQLite allows 32,766 bound parameters; stay far below it and below PostgreSQL's limits.
 _QUERY_CHUNK = 500
+#: The most sealed bytes one store task seals and writes at once (see ``_write_extent``).
+STORE_PIECE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -349,14 +350,15 @@ class Namespace:
                 )
             if not keys:
                 return 0
-            present = self._present_keys(keys, stop_at_gap=False)
-            first_missing = max(self._run_from_zero(keys, present), start // self.block_tokens)
-            positions = [i for i in range(first_missing, len(keys)) if keys[i] not in present]
+            first_row_block = start // self.block_tokens
+            # Blocks before ``start`` are never written here (their KV was not passed), so only
+            # the keys from ``start`` on are asked for: a long conversation's next turn queries
+            # its new blocks, not the whole prefix again.
+            present = self._present_keys(keys[first_row_block:], stop_at_gap=False)
+            positions = [i for i in range(first_row_block, len(keys)) if keys[i] not in present]
             if not positions:
                 return 0
-            return self._store_blocks(
-                keys, positions, rows, start // self.block_tokens, kind, settings
-            )
+            return self._store_blocks(keys, positions, rows, first_row_block, kind, settings)
         except (SQLAlchemyError, StorageError) as err:
             return self._ctx.serving.degrade("store", err, 0)
 
@@ -425,36 +427,36 @@ class Namespace:
             self._ctx.metrics.stored(self.tenant, geometry.total_bytes)
         return inserted * self.block_tokens
 
-    def _seal_and_write_layer(
+    def _seal_and_write(
         self,
         writer: ExtentWriter,
         geometry: ExtentGeometry,
         cipher: ExtentCipher,
         layer: int,
+        first_slot: int,
         keys: list[BlockKey],
         positions: list[int],
         rows: torch.Tensor,
         first_row_block: int,
     ) -> None:
-        """Worker: seal one layer's new segments into this thread's buffer and write them.
+        """Worker: seal the new segments ``first_slot ..`` (``len(positions)`` of them) of one
+        layer into the writer's scratch memory and write them with one ``write_at``.
 
         ``rows`` starts at block ``first_row_block`` of the prefix (see ``store(start=)``).
         """
-        sealed = geometry.sealed_bytes
         plain = geometry.segment_bytes
-        out = thread_buffer(geometry.layer_stride)
+        offset = geometry.offset(layer, first_slot)
+        out = writer.scratch(offset, len(positions) * geometry.sealed_bytes)
         source = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
-        for slot, position in enumerate(positions):
+        plaintexts = []
+        for position in positions:
             row_block = position - first_row_block
             assert row_block >= 0, "a stored block lies before the rows the caller passed"
-            cipher.seal_into(
-                slot,
-                layer,
-                keys[position],
-                source[row_block * plain : (row_block + 1) * plain],
-                out[slot * sealed : (slot + 1) * sealed],
-            )
-        writer.write_at(geometry.offset(layer, 0), out)
+            plaintexts.append(source[row_block * plain : (row_block + 1) * plain])
+        cipher.seal_many_into(
+            first_slot, layer, [keys[position] for position in positions], plaintexts, out
+        )
+        writer.write_at(offset, out)
 
     def _write_extent(
         self,
@@ -466,32 +468,46 @@ class Namespace:
         first_row_block: int,
         retain_for: float,
     ) -> str:
-        """Seal and write layers on the worker pool, a bounded window at a time; then commit
-        (``retain_for``: the class's retention, for stores that expire extents themselves).
+        """Seal and write the extent on the worker pool, a bounded window of pieces at a time;
+        then commit (``retain_for``: the class's retention, for stores that expire extents
+        themselves).
 
-        Layers go to disjoint offsets, so workers write them in parallel (one ``pwrite`` each)
-        and no layer waits for another; the window keeps a large store from queueing all its
-        layers ahead of concurrent loads on the shared pool.
+        A piece is up to ``STORE_PIECE_BYTES`` of one layer's segments: pieces go to disjoint
+        offsets, so workers seal and write them in parallel (one ``write_at`` each; one worker
+        seals while another waits on its write), no piece waits for another, and a worker's
+        scratch memory stays bounded however long the prefix. The window keeps a large store
+        from queueing all its pieces ahead of concurrent loads on the shared pool.
         """
         executor = self._ctx.runtime.seal_executor
+        # Two pieces queued per worker: a worker that finishes one starts the next at once
+        # instead of waiting for this thread to be scheduled and submit it.
+        window = max(self._ctx.runtime.window, 2 * self._ctx.runtime.workers)
+        per_piece = max(1, STORE_PIECE_BYTES // geometry.sealed_bytes)
+        pieces = [
+            (layer, first)
+            for layer in range(geometry.num_layers)
+            for first in range(0, geometry.num_blocks, per_piece)
+        ]
         with self._ctx.blocks.create() as writer:
+            writer.reserve(geometry.total_bytes)
             writer.write_at(0, geometry.header())
             pending: set[Future[None]] = set()
             try:
-                for layer in range(geometry.num_layers):
-                    if len(pending) >= self._ctx.runtime.window:
+                for layer, first in pieces:
+                    if len(pending) >= window:
                         done, pending = wait_futures(pending, return_when=FIRST_COMPLETED)
                         for future in done:
                             future.result()
                     pending.add(
                         executor.submit(
-                            self._seal_and_write_layer,
+                            self._seal_and_write,
                             writer,
                             geometry,
                             cipher,
                             layer,
+                            first,
                             keys,
-                            positions,
+                            positions[first : first + per_piece],
                             rows[layer],
                             first_row_block,
                         )
