@@ -68,11 +68,15 @@ def check_block_store_url(url: str) -> None:
         )
 
 
-def _open_tier(url: str, *, durable: bool, map_reads: bool | None) -> BlockStore:
+def _open_tier(
+    url: str, *, durable: bool, map_reads: bool | None, direct_writes: bool | None
+) -> BlockStore:
     if urlparse(url).scheme == "file":
         from .local import LocalBlockStore
 
-        return LocalBlockStore(file_path(url), durable=durable, map_reads=map_reads)
+        return LocalBlockStore(
+            file_path(url), durable=durable, map_reads=map_reads, direct=direct_writes
+        )
     try:
         from .redis_store import RedisBlockStore
     except ModuleNotFoundError as err:
@@ -88,7 +92,11 @@ def _open_tier(url: str, *, durable: bool, map_reads: bool | None) -> BlockStore
 
 
 def open_block_store(
-    url: str, *, durable: bool = True, map_reads: bool | None = None
+    url: str,
+    *,
+    durable: bool = True,
+    map_reads: bool | None = None,
+    direct_writes: bool | None = None,
 ) -> BlockStore:
     """The store ``url`` names. Nothing connects yet: Redis connects on first use."""
     check_block_store_url(url)
@@ -96,7 +104,9 @@ def open_block_store(
     stores: list[BlockStore] = []
     try:
         for tier in tiers:
-            stores.append(_open_tier(tier, durable=durable, map_reads=map_reads))
+            stores.append(
+                _open_tier(tier, durable=durable, map_reads=map_reads, direct_writes=direct_writes)
+            )
     except BaseException:
         for store in stores:
             store.close()

@@ -74,6 +74,11 @@ class CacheConfig:
     #: on a local disk or memory file system, off on network and FUSE mounts, where a page
     #: the file system loses would kill the process (SIGBUS) instead of failing a read.
     map_reads: bool | None = None
+    #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores on the
+    #: machines measured, and a large store evicts no other tenant's hot extents from the page
+    #: cache; but a prefix's first load after its store then reads the disk (docs/perf.md).
+    #: Default (None): on for durable stores where the file system takes ``O_DIRECT``.
+    direct_writes: bool | None = None
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False
     #: Threads that seal stores (default: one per core).
@@ -142,10 +147,10 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
-        if self.map_reads is not None and not isinstance(self.map_reads, bool):
-            raise InvalidRequestError(
-                f"map_reads must be True, False or None, got {self.map_reads!r}"
-            )
+        for name in ("map_reads", "direct_writes"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be True, False or None, got {value!r}")
         if self.staging_bytes < self.staging_slot_bytes:
             raise InvalidRequestError("staging_bytes must hold at least one staging slot")
         for name in ("lease_seconds", "hit_cost"):
@@ -234,7 +239,10 @@ def open_blocks(config: CacheConfig) -> BlockStore:
     scheme, a missing optional package) is an InvalidRequestError."""
     try:
         return open_block_store(
-            config.blocks_url, durable=config.durable, map_reads=config.map_reads
+            config.blocks_url,
+            durable=config.durable,
+            map_reads=config.map_reads,
+            direct_writes=config.direct_writes,
         )
     except BlockStoreUrlError as err:
         raise InvalidRequestError(f"block_store_url: {err}") from None
@@ -251,7 +259,7 @@ _INTS = {
     "lookup_cache_keys",
 }
 _FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
-_BOOLS = {"durable", "map_reads", "strict", "metrics_tenant_labels"}
+_BOOLS = {"durable", "map_reads", "direct_writes", "strict", "metrics_tenant_labels"}
 
 
 def _parse_env(name: str, raw: str) -> Any:

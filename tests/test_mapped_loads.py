@@ -201,3 +201,21 @@ def test_a_damaged_chunk_the_caller_opens_fails_the_load(
         stream.wait_for_layer(0)
     assert caught.value.delivered_layers == 0
     assert ns.lookup(tokens) == 0
+
+
+@pytest.mark.usefixtures("index")
+@pytest.mark.parametrize("direct_writes", [None, True, False])
+def test_the_cache_passes_its_read_and_write_modes_to_the_store(
+    tmp_path: Path, direct_writes: bool | None
+) -> None:
+    kv = tenantkv.open(tmp_path / "cache", map_reads=False, direct_writes=direct_writes)
+    try:
+        store = kv.context.blocks
+        assert isinstance(store, LocalBlockStore)
+        assert store.map_reads is False
+        # None: direct, since the cache is durable by default and Linux has O_DIRECT
+        assert store.direct is (direct_writes is not False)
+    finally:
+        kv.close()
+    with pytest.raises(tenantkv.InvalidRequestError, match="direct_writes"):
+        tenantkv.open(tmp_path / "bad", direct_writes="yes")
