@@ -364,6 +364,8 @@ class _LocalReader(ExtentReader):
         except (OSError, ValueError) as err:
             logger.debug("mapping an extent failed (%s); reading it instead", err)
             return
+        with contextlib.suppress(OSError, AttributeError):  # advisory
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         self._view = memoryview(self._map)
         os.close(fd)
         self._fd = None
@@ -506,12 +508,13 @@ class LocalBlockStore(BlockStore):
     ) -> None:
         """``map_reads``: let loads decrypt straight out of mapped extents (see
         :meth:`ExtentReader.mapped`); default: on a local disk or memory file system, not on a
-        network or FUSE mount. ``direct``: write extents with ``O_DIRECT`` (default: when
-        ``durable``)."""
+        network or FUSE mount. ``direct``: write extents with ``O_DIRECT`` (default: off, so a
+        stored prefix stays in the page cache for its next load, in the large pages that
+        mapped loads read fastest; docs/perf.md)."""
         self.root = Path(root)
         self.durable = durable
         #: Whether new extents are written with O_DIRECT (False once the file system refused).
-        self.direct = bool(_O_DIRECT) and (durable if direct is None else direct)
+        self.direct = bool(_O_DIRECT) and bool(direct)
         self.extent_dir = self.root / "extents"
         self.temp_dir = self.root / "tmp"
         for directory in (self.root, self.extent_dir, self.temp_dir):

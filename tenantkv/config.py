@@ -74,10 +74,10 @@ class CacheConfig:
     #: on a local disk or memory file system, off on network and FUSE mounts, where a page
     #: the file system loses would kill the process (SIGBUS) instead of failing a read.
     map_reads: bool | None = None
-    #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores on the
-    #: machines measured, and a large store evicts no other tenant's hot extents from the page
-    #: cache; but a prefix's first load after its store then reads the disk (docs/perf.md).
-    #: Default (None): on for durable stores where the file system takes ``O_DIRECT``.
+    #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores where
+    #: page-cache pages are costly to allocate, and a large store evicts no other tenant's hot
+    #: extents; but a prefix's next load then reads the disk, and later ones read page-cache
+    #: pages that mapped loads read slower (docs/perf.md). Default (None): off.
     direct_writes: bool | None = None
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False

@@ -57,7 +57,7 @@ def faulty(request: pytest.FixtureRequest, tmp_path: Path, index: Index) -> Faul
     """The faulty store writing through the page cache, and as a durable store writes
     (fsync, O_DIRECT and a reserved extent)."""
     if request.param == "direct":
-        return FaultyStore(tmp_path / "cache" / "blocks")
+        return FaultyStore(tmp_path / "cache" / "blocks", direct=True)
     return FaultyStore(tmp_path / "cache" / "blocks", durable=False)
 
 

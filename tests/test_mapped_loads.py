@@ -213,8 +213,8 @@ def test_the_cache_passes_its_read_and_write_modes_to_the_store(
         store = kv.context.blocks
         assert isinstance(store, LocalBlockStore)
         assert store.map_reads is False
-        # None: direct, since the cache is durable by default and Linux has O_DIRECT
-        assert store.direct is (direct_writes is not False)
+        # None: buffered writes; True: O_DIRECT, which Linux has
+        assert store.direct is (direct_writes is True)
     finally:
         kv.close()
     with pytest.raises(tenantkv.InvalidRequestError, match="direct_writes"):
