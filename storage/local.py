@@ -508,13 +508,13 @@ class LocalBlockStore(BlockStore):
     ) -> None:
         """``map_reads``: let loads decrypt straight out of mapped extents (see
         :meth:`ExtentReader.mapped`); default: on a local disk or memory file system, not on a
-        network or FUSE mount. ``direct``: write extents with ``O_DIRECT`` (default: off, so a
-        stored prefix stays in the page cache for its next load, in the large pages that
-        mapped loads read fastest; docs/perf.md)."""
+        network or FUSE mount, and not when extents are written ``direct``: the page cache then
+        holds them in small pages, which loads read faster with ``preadv`` (docs/perf.md).
+        ``direct``: write extents with ``O_DIRECT`` (default: when ``durable``)."""
         self.root = Path(root)
         self.durable = durable
         #: Whether new extents are written with O_DIRECT (False once the file system refused).
-        self.direct = bool(_O_DIRECT) and bool(direct)
+        self.direct = bool(_O_DIRECT) and (durable if direct is None else direct)
         self.extent_dir = self.root / "extents"
         self.temp_dir = self.root / "tmp"
         for directory in (self.root, self.extent_dir, self.temp_dir):
@@ -523,7 +523,7 @@ class LocalBlockStore(BlockStore):
             if shard.is_dir():
                 _private_dir(shard)
         if map_reads is None:
-            map_reads = file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
+            map_reads = not self.direct and file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
         self.map_reads = map_reads
 
     def refuse_direct(self, reason: str) -> None:

@@ -71,13 +71,15 @@ class CacheConfig:
     durable: bool = True
     #: Let loads decrypt straight out of mapped extent files, one pass over memory fewer than
     #: reading them into a buffer first (docs/perf.md). Default (None): on where extents live
-    #: on a local disk or memory file system, off on network and FUSE mounts, where a page
-    #: the file system loses would kill the process (SIGBUS) instead of failing a read.
+    #: on a local disk or memory file system and are written through the page cache
+    #: (``direct_writes=False``); off on network and FUSE mounts, where a page the file system
+    #: loses would kill the process (SIGBUS) instead of failing a read.
     map_reads: bool | None = None
     #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores where
     #: page-cache pages are costly to allocate, and a large store evicts no other tenant's hot
-    #: extents; but a prefix's next load then reads the disk, and later ones read page-cache
-    #: pages that mapped loads read slower (docs/perf.md). Default (None): off.
+    #: extents; but a prefix's next load then reads the disk, and the page cache later holds
+    #: it in small pages, which ``preadv`` reads faster than a mapping (so ``map_reads``
+    #: defaults to off with it; docs/perf.md). Default (None): on for durable stores.
     direct_writes: bool | None = None
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False

@@ -758,12 +758,13 @@ def test_direct_writes_give_the_bytes_of_plain_writes(
     assert _read_all(plain, ids[1]) == bytes(expected)
 
 
-def test_stores_write_through_the_page_cache_unless_asked_for_direct_writes(
-    tmp_path: Path,
-) -> None:
-    assert LocalBlockStore(tmp_path / "a").direct is False
-    assert LocalBlockStore(tmp_path / "b", direct=True).direct is True
-    assert LocalBlockStore(tmp_path / "c", durable=False, direct=True).direct is True
+def test_durable_stores_write_direct_and_can_opt_out(tmp_path: Path) -> None:
+    assert LocalBlockStore(tmp_path / "a").direct is True
+    assert LocalBlockStore(tmp_path / "b", direct=False).direct is False
+    assert LocalBlockStore(tmp_path / "c", durable=False).direct is False
+    # Mapped loads are the default only for extents written through the page cache.
+    assert LocalBlockStore(tmp_path / "d").map_reads is False
+    assert LocalBlockStore(tmp_path / "e", direct=False).map_reads is True  # ext4/tmpfs here
 
 
 def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(

@@ -174,14 +174,30 @@ def test_the_caller_opens_chunks_of_the_layer_it_waits_for(
     opened = _slow_workers(monkeypatch)
     got = load_all(ns, tokens)
     assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
-    # Mapped reads into fresh layers need no staging slot: the caller helps (and on a busy
-    # machine may open every chunk before a worker starts). Staged reads need one, which only
-    # workers hold: the caller waits, and workers open every chunk.
-    caller = threading.get_ident()
-    if map_reads:
-        assert caller in opened
-    else:
-        assert opened and caller not in opened
+    # Fresh layers are decrypted into directly: the caller helps, out of the mapping or
+    # through its own scratch buffer (and on a busy machine may open every chunk before a
+    # worker starts).
+    assert threading.get_ident() in opened
+
+
+def test_the_caller_does_not_open_chunks_that_need_a_staging_slot(
+    cache: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MHA out= buffers keep k and v apart: chunks are decrypted into a staging slot and copied
+    # out, and only workers hold slots.
+    ns = cache.namespace("acme", model="m", layout=MHA)
+    tokens = random_tokens(TOKENS, seed=13)
+    want = random_layers(MHA, TOKENS, seed=14)
+    ns.store(tokens, want)
+    opened = _slow_workers(monkeypatch)
+    out = [
+        tuple(torch.empty(TOKENS, MHA.num_kv_heads, MHA.head_dim, dtype=MHA.dtype) for _ in "kv")
+        for _ in range(MHA.num_layers)
+    ]
+    with ns.load(tokens, out=out) as stream:
+        got = [layer for _, layer in stream]
+    assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert opened and threading.get_ident() not in opened
 
 
 def test_a_damaged_chunk_the_caller_opens_fails_the_load(
@@ -213,8 +229,8 @@ def test_the_cache_passes_its_read_and_write_modes_to_the_store(
         store = kv.context.blocks
         assert isinstance(store, LocalBlockStore)
         assert store.map_reads is False
-        # None: buffered writes; True: O_DIRECT, which Linux has
-        assert store.direct is (direct_writes is True)
+        # None: O_DIRECT for a durable store (the default), which Linux has
+        assert store.direct is (direct_writes is not False)
     finally:
         kv.close()
     with pytest.raises(tenantkv.InvalidRequestError, match="direct_writes"):
