@@ -45,8 +45,10 @@ def build_llm(spec: dict[str, Any]) -> Any:
             kv_role="kv_both",
             kv_connector_extra_config=spec["extra"],
         )
+    backend = spec.get("attention_backend")
     return LLM(
         model=spec["model"],
+        attention_config={"backend": backend} if backend else None,
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=1024,
