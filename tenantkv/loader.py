@@ -10,9 +10,9 @@
            out=, and CUDA on the load's stream) ─► drop the mapped pages from the process's
            resident set ─► count it done; after a layer's last chunk, wake the caller if it
            waits for that layer ─► take the next chunk
-    the caller, waiting for a layer of which chunks are still untaken (and decrypted straight
-    into their destination): open them itself -- out of the mapping, or read into its own
-    thread's scratch buffer -- then wait for the rest
+    the caller, waiting for a layer of which chunks are still untaken (mapped, and decrypted
+    straight into their destination, so no slot is needed): open them itself, then wait for
+    the rest
 
 Decrypting straight out of the mapping makes one pass over memory fewer than reading into a
 slot and decrypting from there: loads are bound by memory traffic, not by AES, on the machines
@@ -65,7 +65,6 @@ from typing import Any, Self
 
 import torch
 
-from .buffers import thread_buffer
 from .crypto import SealOpenError
 from .errors import (
     CacheClosedError,
@@ -487,9 +486,9 @@ class LoadStream:
     def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
         """Open one chunk into the layer's destination: straight out of the extent's mapping,
         or after reading its ciphertext into ``slot``."""
-        # Without a slot (the caller helping), only a chunk decrypted straight into its
+        # Without a slot (the caller helping) only a mapped chunk decrypted straight into its
         # destination can be opened; a worker is without one only once the load is cancelled.
-        if self._cancel.is_set() or (slot is None and not self._target.direct):
+        if self._cancel.is_set() or (slot is None and self._needs_slot):
             return _Cancelled()
         chunk = work.chunk
         extent = chunk.run.extent
@@ -502,10 +501,8 @@ class LoadStream:
                     raise ShortReadError("a chunk lies past the end of its mapped extent")
                 ciphertext = mapped[offset : offset + work.size]
             else:
-                # A worker reads into its staging slot; the caller, helping with a layer that
-                # is decrypted straight into its destination, into its own thread's scratch.
-                buffer = slot.view if slot is not None else thread_buffer(work.size)
-                ciphertext = buffer[: work.size]
+                assert slot is not None, "reading a chunk needs a staging slot"
+                ciphertext = slot.view[: work.size]
                 reader.readinto(offset, [ciphertext])
             if self._cancel.is_set():
                 return _Cancelled()
@@ -646,15 +643,16 @@ class LoadStream:
 
     def _help_with(self, index: int) -> bool:
         """Open the next chunk of layer ``index`` on the caller's own thread, if one is still
-        untaken and decrypts straight into its destination (under the lock, released while
-        opening): straight out of the mapping, or read into the caller thread's own scratch
-        (``buffers.thread_buffer``, at most a staging slot's size).
+        untaken and needs no staging slot: mapped, and decrypted straight into its destination
+        (under the lock, released while opening). On the staged path, a caller reading chunks
+        through a scratch buffer of its own was measured slower, to the first layer and in all
+        (docs/perf.md).
 
         The caller waits for this layer anyway: decrypting a share of it beats sleeping, and
         it then needs no wake-up -- which on a busy machine costs the first layer a core and
         the interpreter's lock taken back from the workers (docs/perf.md).
         """
-        if not self._target.direct or self._broken is not None or self._next_layer() != index:
+        if self._needs_slot or self._broken is not None or self._next_layer() != index:
             return False
         taken = self._take()
         if taken is None:
