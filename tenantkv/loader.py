@@ -386,16 +386,8 @@ class LoadStream:
                 if slot is None and self._needs_slot:
                     slot = self._ring.acquire(self._cancel)
                 error = self._open_chunk(layer, work, slot)
-                failure = None
-                hand_over = False
                 with self._lock:
-                    self._busy -= 1
-                    if error is None:
-                        hand_over = self._chunk_done(layer)
-                    else:
-                        failure = self._record_error(error)
-                    if self._broken is not None:
-                        self._changed.notify_all()  # a waiter may wait for the last chunk
+                    hand_over, failure = self._finish_chunk(layer, error)
                     if failure is None:
                         taken = self._take_next(slot)
                         if taken is None:
@@ -417,6 +409,24 @@ class LoadStream:
                 self._failure_handled = True
                 self._leave(slot)
             raise
+
+    def _finish_chunk(
+        self, layer: int, error: BaseException | None
+    ) -> tuple[bool, ExtentFailure | None]:
+        """Count a taken chunk finished, by a worker or the caller (under the lock).
+
+        Returns whether to leave the core to a caller just woken for layer 0, and the failure
+        to handle (outside the lock), if this chunk broke the stream.
+        """
+        self._busy -= 1
+        hand_over, failure = False, None
+        if error is None:
+            hand_over = self._chunk_done(layer)
+        else:
+            failure = self._record_error(error)
+        if self._broken is not None:
+            self._changed.notify_all()  # a waiter may wait for the last chunk
+        return hand_over, failure
 
     def _take_next(self, slot: Slot | None) -> tuple[int, _Work] | None:
         """The worker's next chunk; or ``None`` once it has left (under the lock).
@@ -663,13 +673,7 @@ class LoadStream:
             error = self._open_chunk(layer, work, None)
         finally:
             self._lock.acquire()
-        self._busy -= 1
-        if error is None:
-            self._chunk_done(layer)
-            return True
-        failure = self._record_error(error)
-        if self._broken is not None:
-            self._changed.notify_all()
+        _, failure = self._finish_chunk(layer, error)
         if failure is not None:
             self._lock.release()
             try:
