@@ -307,17 +307,23 @@ def aes_store(
     workers: LayerWorkers,
     shape: Shape,
     dir_fd: int,
+    *,
+    flags: int = 0,
+    stride: int | None = None,
 ) -> None:
+    """Seal each layer on ``workers`` and write it at ``layer * stride`` (default: layers back
+    to back), then fsync + rename + directory fsync. ``flags`` are extra open flags."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
     encrypt_into = cipher.aead.encrypt_into
+    layer_stride = shape.layer_ct_bytes if stride is None else stride
 
     def seal_layer(layer: int) -> None:
         whole, segments = workers.scratch()
         src, nonces, aads = plain_segments[layer], cipher.nonces[layer], cipher.aads[layer]
         for b, out in enumerate(segments):
             encrypt_into(nonces[b], src[b], aads[b], out)
-        pwrite_full(fd, whole, layer * shape.layer_ct_bytes)
+        pwrite_full(fd, whole, layer * layer_stride)
 
     try:
         workers.run(seal_layer, shape.layers)
@@ -357,24 +363,16 @@ def aes_store_direct(
     """The aes-gcm store limit past the page cache: like :func:`aes_store`, but each layer is
     written with ``O_DIRECT`` from its page-aligned buffer at a page-aligned offset (the pad
     after each layer is at most 4 KiB), then fsync + rename + directory fsync."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    encrypt_into = cipher.aead.encrypt_into
-    stride = direct_layer_bytes(shape)
-
-    def seal_layer(layer: int) -> None:
-        whole, segments = workers.scratch()
-        src, nonces, aads = plain_segments[layer], cipher.nonces[layer], cipher.aads[layer]
-        for b, out in enumerate(segments):
-            encrypt_into(nonces[b], src[b], aads[b], out)
-        pwrite_full(fd, whole, layer * stride)
-
-    try:
-        workers.run(seal_layer, shape.layers)
-    except BaseException:
-        os.close(fd)
-        raise
-    publish(fd, tmp, path, dir_fd)
+    aes_store(
+        path,
+        plain_segments,
+        cipher,
+        workers,
+        shape,
+        dir_fd,
+        flags=os.O_DIRECT,
+        stride=direct_layer_bytes(shape),
+    )
 
 
 def direct_io_supported(directory: Path) -> bool:
