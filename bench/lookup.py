@@ -16,8 +16,11 @@ a 1-layer MLA namespace (a lookup reads only the index: the KV's size does not m
   lookup did before the node-local structure (metering aside);
 * ``partial``: a prompt whose first half is cached and second half new (a hit of half);
 * ``miss``: a prompt of the same length, nothing cached;
-* parts of ``hit``: ``keys`` (the keyed BLAKE2b chain, ``Namespace._keys``) and ``index`` (the
-  held keys plus the one statement, ``Namespace._cached_blocks``);
+* parts of ``hit``: ``keys`` (the keyed BLAKE2b chain, ``Namespace._keys``: the C chain of
+  ``tenantkv/_prefix_chain.c`` where the install built it) and ``index`` (the held keys plus
+  the one statement, ``Namespace._cached_blocks``);
+* ``keys, hashlib loop``: the same keys through ``prefix.block_keys_python``, the loop the C
+  chain replaced (and what runs where no C compiler was at hand);
 * baselines with no index at all: ``sha256 chain`` (an unkeyed SHA-256 chain over the same
   bytes: the cheapest chained hash in the standard library) and ``vLLM-style sha256(pickle)
   chain`` (``sha256(pickle.dumps((parent, tuple(block))))`` per block, as vLLM's prefix caching
@@ -55,6 +58,7 @@ from fleet import DEFAULT_POSTGRES, LOOKUP_LAYOUT, PostgresSchema
 
 import tenantkv
 from tenantkv.index import blocks
+from tenantkv.prefix import block_keys_python
 
 HERE = Path(__file__).resolve().parent
 
@@ -121,6 +125,11 @@ def measure(root: Path, database_url: str | None, num_tokens: int, reps: int) ->
             "miss": (None, lambda: ns.lookup(fresh), 0),
             "hit: keys": (None, lambda: ns._keys(cached), None),
             "hit: index": (None, lambda: ns._cached_blocks(keys), num_tokens // 64),
+            "keys, hashlib loop (no C chain)": (
+                None,
+                lambda: block_keys_python(ns._hash_key, ns.identity.fingerprint, cached),
+                keys,
+            ),
             "sha256 chain": (None, lambda: sha256_chain(data, 256), None),
             "vLLM-style sha256(pickle) chain": (
                 None,

@@ -162,7 +162,11 @@ in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/base
     fail "base: a cache without prometheus_client"
 logged "$LOGS/cli-init.log" in_scratch "$venv/bin/tenantkv" init "$SCRATCH/cli-root"
 echo "tenantkv init (console script): ok"
-checked+=("base: pip check, README Use example, imports, tenantkv init, no-op metrics")
+# setup.py's optional C chain of prefix keys: built here (this machine has a C compiler), so a
+# wheel without it would be a build that silently fell back to the slower hashlib loop
+in_scratch "$venv/bin/python" -c 'from tenantkv.prefix import c_chain; assert c_chain is not None' ||
+    fail "base: the wheel lacks the C chain of prefix keys (tenantkv._prefix_chain)"
+checked+=("base: pip check, README Use example, imports, tenantkv init, no-op metrics, C chain")
 
 # --- each extra alone ----------------------------------------------------------------------
 others_of() {

@@ -15,7 +15,7 @@ import itertools
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,11 +34,11 @@ from hypothesis.stateful import (
 from sqlalchemy import event
 
 import tenantkv
-from tenantkv import CacheMissError, Namespace, TenantKV
+from tenantkv import CacheMissError, Namespace, TenantKV, prefix
 from tenantkv.crypto import KeyEncryptionKey
 from tenantkv.index import blocks, counters, removals
 from tenantkv.lookup_cache import HeldKeys, LookupCache
-from tenantkv.prefix import block_keys, model_fingerprint
+from tenantkv.prefix import model_fingerprint
 from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
 from tests.indexes import Index
 from tests.test_fleet_coordination import nodes
@@ -76,10 +76,18 @@ def held_keys(kv: TenantKV, ns: Namespace) -> HeldKeys | None:
 # ---- prefix keys stay what they were -----------------------------------------------------------
 
 
-def test_block_keys_are_the_documented_chain_and_unchanged() -> None:
+@pytest.mark.parametrize(
+    "block_keys",
+    [prefix.block_keys, prefix.block_keys_python],
+    ids=["as-installed", "hashlib"],
+)
+def test_block_keys_are_the_documented_chain_and_unchanged(
+    block_keys: Callable[..., list[bytes]],
+) -> None:
     """Pinned vectors (computed before the hashing loop was optimised) and an independent
-    computation from the formula in ``tenantkv.prefix``: caches already on disk, and edited
-    prefixes chained from them, keep their keys."""
+    computation from the formula in ``tenantkv.prefix``, for the C chain this install built and
+    for the hashlib loop: caches already on disk, and edited prefixes chained from them, keep
+    their keys."""
     key = hashlib.sha256(b"namespace key").digest()
     fingerprint = model_fingerprint("vector-model", "r1", {"kind": "mla"})
     assert fingerprint.hex() == "273aee251a4c48381a390945a1714dd8ee979907f96198e9f47b4a6a9306536c"
