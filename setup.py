@@ -1,16 +1,18 @@
-"""The one piece of the build pyproject.toml cannot say: the optional C accelerator of the prefix
-key chain (tenantkv/_prefix_chain.c). ``optional=True``: where no C compiler is at hand the
-install still succeeds and tenantkv.prefix computes the same keys in Python, only slower."""
+"""The one piece of the build pyproject.toml cannot say: the optional C accelerators of the
+lookup path, the prefix key chain (tenantkv/_prefix_chain.c) and the packing of token-id lists
+(tenantkv/_token_ids.c). ``optional=True``: where no C compiler is at hand the install still
+succeeds, and tenantkv.prefix and tenantkv.tokens do the same in Python, only slower."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
-            "tenantkv._prefix_chain",
-            sources=["tenantkv/_prefix_chain.c"],
+            f"tenantkv.{name}",
+            sources=[f"tenantkv/{name}.c"],
             extra_compile_args=["-O3"],
             optional=True,
         )
+        for name in ("_prefix_chain", "_token_ids")
     ]
 )

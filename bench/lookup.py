@@ -8,7 +8,7 @@ a 1-layer MLA namespace (a lookup reads only the index: the KV's size does not m
 
 * ``hit``: ``ns.lookup`` of the cached prompt, tokens as a numpy array (what an engine holds as
   a tensor); ``hit, list``: the same prompt as a Python list of ints (what the issue's figures
-  used; the list's conversion to an array, ~0.7 ms at 128K, is part of it);
+  used; the list's conversion to an array, by `tenantkv/_token_ids.c`, is part of it);
 * ``hit, structure cold``: the node's held keys of the namespace dropped first (untimed), as
   after a removal in the namespace or on a node's first lookup: the index is asked for every key;
 * ``hit, before`` (the old path, kept reachable for this comparison): the prompt's keys, then
