@@ -4,7 +4,7 @@
  * Why C: a 128K-token lookup hashes 2,048 blocks one after another (each key chains the one
  * before), and through hashlib each block costs four Python calls and three objects besides its
  * three compressions: about 0.75 us a block, 45% of it the calls. Here the loop runs without the
- * interpreter (and without the GIL), and the keys are the same bytes: tenantkv.prefix keeps the
+ * interpreter (and, for the longest prompts, without the GIL), and the keys are the same bytes: tenantkv.prefix keeps the
  * hashlib loop as the reference and as the fallback where this module was not built, and the
  * tests compare the two.
  *
@@ -20,6 +20,11 @@
 #define DIGEST_BYTES 32
 #define MAX_KEY_BYTES 64
 #define PERSON_BYTES 16
+/* Prompts of at least this many bytes of tokens (1M tokens: ~7 ms of hashing) are hashed without
+ * the GIL, so that other threads run meanwhile. Shorter ones keep it: taking the GIL back can
+ * wait for another thread's switch interval (5 ms), which would cost a 8K-token load more than
+ * its whole chain (~60 us). hashlib keeps it for updates under 2 KiB, as the loop did. */
+#define RELEASE_GIL_BYTES (4 << 20)
 
 static const uint64_t IV[8] = {
     0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
@@ -190,9 +195,13 @@ static PyObject *block_keys(PyObject *module, PyObject *args) {
     compress(keyed, key_block, BLAKE2B_BLOCK, 0);
     memset(key_block, 0, sizeof(key_block));
 
-    Py_BEGIN_ALLOW_THREADS
-    chain(keyed, seed.buf, data.buf, block_bytes, count, scratch, out);
-    Py_END_ALLOW_THREADS
+    if (count * block_bytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        chain(keyed, seed.buf, data.buf, block_bytes, count, scratch, out);
+        Py_END_ALLOW_THREADS
+    } else {
+        chain(keyed, seed.buf, data.buf, block_bytes, count, scratch, out);
+    }
     memset(keyed, 0, sizeof(keyed));
 
     result = PyList_New(count);
