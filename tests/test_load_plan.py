@@ -1,6 +1,6 @@
 """A load's read plan: every block must be live, keyed and laid out as this namespace expects.
 
-The plan is one index query (see ``tenantkv/plan_query.py``); these tests change the index
+The plan is two index statements (see ``tenantkv/index/plan.py``); these tests change the index
 under a stored prefix and check that the load becomes a miss -- with a positive control that
 the same load succeeds before the change -- and that plans spanning several query chunks and
 extents still load exactly.
@@ -9,6 +9,7 @@ extents still load exactly.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
+from tenantkv.index import plan as plan_module
 from tenantkv.index.plan import _rendered, locate_blocks
-from tenantkv.index.schema import DataKey, Extent
+from tenantkv.index.schema import Block, DataKey, Extent
 from tenantkv.loader import split_chunks
 from tenantkv.services import namespace as namespace_module
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
@@ -120,12 +122,58 @@ def test_plan_query_renders_for_each_driver_parameter_style() -> None:
     """SQLite takes positional parameters in the SQL's order, psycopg named ones (no PostgreSQL
     driver is needed to render)."""
     values = {"tenant_id": b"t", "namespace_id": b"n", "now": 1.0, "key0": b"a", "key1": b"b"}
-    positional = _rendered(sqlite.dialect(), 2)
-    assert positional.sql.count("?") == 5
-    assert positional.parameters(values) == (b"t", b"n", b"a", b"b", 1.0)
-    named = _rendered(postgresql.psycopg.dialect(), 2)
-    assert "IN (%(key0)s, %(key1)s)" in named.sql
-    assert named.parameters(values) == values
+    blocks = _rendered(sqlite.dialect(), "blocks", 2)
+    assert blocks.sql.count("?") == 3
+    assert blocks.parameters(values) == (b"n", b"a", b"b")
+    extents = _rendered(sqlite.dialect(), "extents", 2)
+    assert extents.sql.count("?") == 5
+    assert extents.parameters(values) == (b"t", b"n", b"a", b"b", 1.0)
+    for statement in ("blocks", "extents"):
+        named = _rendered(postgresql.psycopg.dialect(), statement, 2)
+        assert "IN (%(key0)s, %(key1)s)" in named.sql
+        assert named.parameters(values) == values
+
+
+@pytest.mark.usefixtures("index")
+def test_an_extent_removed_between_the_plan_statements_is_never_half_planned(
+    kv: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocks and their extents are two statements. An extent removed between them (with
+    its blocks) is found by both on SQLite, whose read transaction is one snapshot, and by
+    neither on PostgreSQL, whose statements each see their own: either way no block is located
+    in an extent the plan has no row for."""
+    ns, tokens = _stored(kv, blocks=2)
+    keys = ns._keys(tokens)
+    identity = ns.identity
+
+    def plan() -> tuple[dict[bytes, tuple[str, int]], dict[str, Any]]:
+        with kv.context.index.read_connection() as connection:
+            return locate_blocks(
+                connection,
+                tenant_id=identity.tenant_id,
+                namespace_id=identity.namespace_id,
+                keys=keys,
+                now=kv.context.clock(),
+            )
+
+    located, extents = plan()  # positive control: every block, in its one extent
+    assert set(located) == set(keys) and len(extents) == 1
+    run = plan_module._run
+
+    def remove_then_run(connection: Any, statement: str, *args: Any) -> Any:
+        if statement == "extents":
+            with kv.context.index.write() as session:
+                session.execute(delete(Block))
+                session.execute(delete(Extent))
+        return run(connection, statement, *args)
+
+    monkeypatch.setattr(plan_module, "_run", remove_then_run)
+    located, extents = plan()
+    assert all(extent_id in extents for extent_id, _slot in located.values())
+    if kv.context.index.dialect == "sqlite":
+        assert set(located) == set(keys)
+    else:
+        assert located == {} and extents == {}
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
