@@ -65,7 +65,7 @@ from typing import Any, Self
 
 import torch
 
-from .crypto import SealOpenError
+from .crypto import ExtentCipher, SealOpenError
 from .errors import (
     CacheClosedError,
     InvalidRequestError,
@@ -115,6 +115,9 @@ FailureHandler = Callable[[ExtentFailure], None]
 
 #: The longest a worker pauses after completing layer 0 for a caller blocked on it (seconds).
 FIRST_LAYER_HANDOVER_S = 0.002
+#: Segments a worker opens between looks at whether a caller woken for layer 0 waits for the
+#: GIL (16 segments of 64 DeepSeek-V3 tokens: ~1.2 MB, ~0.1 ms of decryption).
+HANDOVER_SEGMENTS = 16
 
 
 def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
@@ -278,6 +281,10 @@ class LoadStream:
         self._events: list[Any] = [None] * self.num_layers
         self._waiting_for = -1  # the layer the caller is blocked on, if any
         self._caller_running = threading.Event()  # set when the caller returns from a wait
+        # Layer 0 is complete and the caller blocked on it is not running yet: workers pause
+        # between groups of segments (see _open_segments). Read without the lock: a stale
+        # read costs one more group.
+        self._handing_over = False
         self._next_item = 0  # the next chunk to hand to a worker, in layer order
         self._demanded = -1  # the caller asked for this layer: load up to it whatever the window
         self._released = 0  # layers before this were handed over by iteration and let go
@@ -491,6 +498,7 @@ class LoadStream:
         if layer != 0:
             return False
         self._caller_running.clear()
+        self._handing_over = True
         return True
 
     def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
@@ -544,14 +552,14 @@ class LoadStream:
         if output.bytes is not None and self._target.direct:
             out = output.bytes
             outs = [out[start : start + segment] for start in work.starts]
-            extent.cipher.open_many_into(chunk.slot, layer, work.keys, ciphertext, outs)
+            self._open_segments(extent.cipher, layer, work, ciphertext, outs)
             return
         assert slot is not None, "a staged destination needs a staging slot"
         outs = [
             slot.view[plain_at + j * segment : plain_at + (j + 1) * segment]
             for j in range(chunk.count)
         ]
-        extent.cipher.open_many_into(chunk.slot, layer, work.keys, ciphertext, outs)
+        self._open_segments(extent.cipher, layer, work, ciphertext, outs)
         plain = slot.tensor[plain_at : plain_at + chunk.count * segment]
         plain = plain.view(-1, self.layout.token_bytes)
         if self._stream is None:
@@ -562,6 +570,41 @@ class LoadStream:
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(self._stream)
         copied.synchronize()  # the slot is reused once this chunk's copy has finished
+
+    def _open_segments(
+        self,
+        cipher: ExtentCipher,
+        layer: int,
+        work: _Work,
+        sealed: memoryview,
+        outs: list[memoryview],
+    ) -> None:
+        """Open a chunk's segments into ``outs``, ``HANDOVER_SEGMENTS`` at a time, pausing
+        between groups while a caller woken for layer 0 has not run yet.
+
+        Each segment's decryption releases the GIL and takes it back microseconds later, so a
+        woken caller that needs the GIL loses the race for it again and again, and the
+        interpreter's forced switch never comes (the lock changes hands all the time): on 2
+        cores that cost the first layer ~0.9 ms at the median (docs/perf.md). A worker that
+        stops taking the GIL for a moment lets the caller have it at once.
+        """
+        first = work.chunk.slot
+        count = len(outs)
+        if count <= HANDOVER_SEGMENTS:
+            cipher.open_many_into(first, layer, work.keys, sealed, outs)
+            return
+        stride = len(sealed) // count
+        for start in range(0, count, HANDOVER_SEGMENTS):
+            if self._handing_over:
+                self._caller_running.wait(FIRST_LAYER_HANDOVER_S)
+            end = min(start + HANDOVER_SEGMENTS, count)
+            cipher.open_many_into(
+                first + start,
+                layer,
+                work.keys[start:end],
+                sealed[start * stride : end * stride],
+                outs[start:end],
+            )
 
     @staticmethod
     def _classify(extent_id: str, layer: int, err: BaseException) -> BaseException:
@@ -617,6 +660,7 @@ class LoadStream:
                     continue
                 self._waiting_for = index
                 self._changed.wait()
+                self._handing_over = False
                 self._caller_running.set()
                 self._waiting_for = -1
         if broken is None and self._keys_exist is not None and not self._keys_exist():

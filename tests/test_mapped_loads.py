@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -221,6 +222,95 @@ def test_a_damaged_chunk_the_caller_opens_fails_the_load(
         stream.wait_for_layer(0)
     assert caught.value.delivered_layers == 0
     assert ns.lookup(tokens) == 0
+
+
+# ---- segments opened in groups (a caller woken for layer 0 gets the GIL between them) --------
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("layout", [MLA, MHA], ids=["mla", "mha"])
+def test_chunks_opened_in_groups_of_segments_load_the_stored_bytes(
+    cache: TenantKV, layout: KVLayout, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups smaller than every chunk: each chunk is opened group by group (the last group
+    short where the count does not divide), and the bytes are the stored ones."""
+    monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", group)
+    ns = cache.namespace("acme", model="m", layout=layout)
+    tokens = random_tokens(TOKENS, seed=15)
+    want = random_layers(layout, TOKENS, seed=16)
+    ns.store(tokens, want)
+    got = load_all(ns, tokens)
+    assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_flipped_bit_in_a_later_group_fails_to_open(
+    cache: TenantKV, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", 2)
+    ns = cache.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(TOKENS, seed=17)
+    want = random_layers(MLA, TOKENS, seed=18)
+    ns.store(tokens, want)
+    assert all(layers_equal(a, b) for a, b in zip(load_all(ns, tokens), want, strict=True))
+    (path,) = _extent_files(tmp_path / "cache")
+    data = bytearray(path.read_bytes())
+    sealed = 64 * MLA.token_bytes + 16
+    last = TOKENS // 64 - 1
+    data[32 + sealed * (TOKENS // 64 + last) + 100] ^= 0x01  # layer 1, its last block
+    path.write_bytes(bytes(data))
+    with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
+        for _ in stream:
+            pass
+    assert caught.value.delivered_layers == 1
+
+
+class _RecordingCipher:
+    def __init__(self, log: list[tuple[str, int, int]]) -> None:
+        self.log = log
+
+    def open_many_into(
+        self, first: int, layer: int, keys: Any, sealed: memoryview, outs: list[Any]
+    ) -> None:
+        assert len(keys) == len(outs) and len(sealed) == len(outs) * 10
+        self.log.append(("open", first, len(outs)))
+
+
+class _RecordingEvent:
+    def __init__(self, log: list[tuple[str, int, int]]) -> None:
+        self.log = log
+
+    def wait(self, timeout: float) -> bool:
+        assert timeout == loader_module.FIRST_LAYER_HANDOVER_S
+        self.log.append(("pause", 0, 0))
+        return True
+
+
+@pytest.mark.parametrize("handing_over", [True, False])
+def test_workers_pause_between_groups_only_while_a_woken_caller_waits_to_run(
+    monkeypatch: pytest.MonkeyPatch, handing_over: bool
+) -> None:
+    """While a caller woken for layer 0 has not run yet, a worker pauses before each group of
+    segments; otherwise it opens its chunk group after group without a pause."""
+    monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", 2)
+    log: list[tuple[str, int, int]] = []
+    stream = object.__new__(loader_module.LoadStream)  # only the fields _open_segments reads
+    stream._handing_over = handing_over
+    stream._caller_running = _RecordingEvent(log)  # type: ignore[assignment]
+    # 5 segments of 10 sealed bytes, from slot 7 of layer 1: groups of 2, 2 and 1
+    work = SimpleNamespace(chunk=SimpleNamespace(slot=7), keys=[b"k"] * 5)
+    stream._open_segments(
+        _RecordingCipher(log),  # type: ignore[arg-type]
+        1,
+        work,  # type: ignore[arg-type]
+        memoryview(bytes(50)),
+        [memoryview(bytearray(4))] * 5,
+    )
+    opens = [("open", 7, 2), ("open", 9, 2), ("open", 11, 1)]
+    pause = ("pause", 0, 0)
+    if handing_over:
+        assert log == [pause, opens[0], pause, opens[1], pause, opens[2]]
+    else:
+        assert log == opens
 
 
 @pytest.mark.usefixtures("index")
