@@ -30,10 +30,12 @@ chunks from reader threads to separate decrypt workers was measured slower too; 
 The caller is woken once per layer, and only when it waits for that one.
 
 When the caller is blocked on layer 0, the worker that completes it pauses until the caller is
-running again (at most ``FIRST_LAYER_HANDOVER_S``). With one worker per core busy decrypting,
-a woken caller otherwise waits for a core and then for the GIL, which the workers take between
-every segment -- on a 2-core machine a sizeable part of a layer's time, on the time to first
-layer (docs/perf.md has the figures).
+running again (at most ``FIRST_LAYER_HANDOVER_S``), and the other workers pause too, before
+their next group of ``HANDOVER_SEGMENTS`` segments. With one worker per core busy decrypting,
+a woken caller otherwise waits for a core and then for the GIL, which the workers release and
+take back around every segment, winning the race for it again and again -- on a 2-core
+machine a sizeable part of a layer's time, on the time to first layer (docs/perf.md has the
+figures).
 Later layers do not pause: there the caller's waits matter less than the load's throughput.
 
 Layer 0 is cut in twice as many chunks (the caller waits on it first; a task that is ahead takes
