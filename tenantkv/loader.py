@@ -587,7 +587,7 @@ class LoadStream:
         Each segment's decryption releases the GIL and takes it back microseconds later, so a
         woken caller that needs the GIL loses the race for it again and again, and the
         interpreter's forced switch never comes (the lock changes hands all the time): on 2
-        cores that cost the first layer ~0.9 ms at the median (docs/perf.md). A worker that
+        cores that cost the first layer 0.5-0.9 ms at the median (docs/perf.md). A worker that
         stops taking the GIL for a moment lets the caller have it at once.
         """
         first = work.chunk.slot
