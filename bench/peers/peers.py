@@ -59,6 +59,9 @@ LAYERS = 61
 DEFAULT_TOKENS = (8192, 32768)
 LOOKUP_TOKENS = 131_072  # 2,048 blocks of 64
 TENANTS = 16
+#: The decrypt-only ceiling holds the prefix's ciphertext in memory: measured up to 1 GiB (8K
+#: tokens), where it does not crowd the page cache the other systems load from.
+CEILING_MAX_BYTES = 2**30
 
 
 # --------------------------------------------------------------------------- #
@@ -154,6 +157,12 @@ def run_size(
     systems: list[S.System] = [
         *S.raw_systems(fds, offsets, bufs, pool, zero),
         S.encrypted_limit_system(enc_fd, bufs, shape, cipher, pool, zero),
+        # held in memory: only where the prefix's ciphertext is small beside the page cache
+        *(
+            [S.decrypt_ceiling_system(enc_fd, bufs, shape, cipher, pool, zero)]
+            if shape.total_ct_bytes <= CEILING_MAX_BYTES
+            else []
+        ),
         lmc_system,
         *S.safetensors_systems(st_dir, shape, bufs, zero),
         S.torch_save_system(torch_path),

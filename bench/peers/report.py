@@ -30,6 +30,7 @@ COLD_SHARE = 0.05
 COLOURS = {
     "raw": "#8c8c8c",
     "encrypted-limit": "#1f77b4",
+    "decrypt-ceiling": "#17becf",
     "lmcache": "#2ca02c",
     "safetensors": "#9467bd",
     "torch": "#8c564b",
@@ -112,6 +113,19 @@ def targets(run: Any) -> list[tuple[str, float, str, str, str]]:
     lmc_gbps = statistics.median(gbps(lmc, nbytes))
     lmc_ttfl = statistics.median(lmc.first_layer)
     out: list[tuple[str, float, str, str, str]] = []
+    for ceiling in find(run, "decrypt-ceiling"):
+        # Not a target of its own: the bound on the first one. Below 1, no encrypted load
+        # (which must also read) can reach LMCache's on this machine.
+        r = statistics.median(gbps(ceiling, nbytes)) / lmc_gbps
+        out.append(
+            (
+                "bound: decrypt-only ceiling (no reads) / LMCache load",
+                r,
+                ">= 1 for the load target to be reachable",
+                verdict(r >= TARGET_VS_LMCACHE),
+                conditions(nbytes, ceiling, lmc),
+            )
+        )
     tkv = find(run, "tenantkv")
     suites = sorted({s.name.split(",")[0] for s in tkv})
     for suite in suites:

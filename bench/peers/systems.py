@@ -59,7 +59,8 @@ class System:
     """
 
     name: str
-    group: str  # plot colour: raw | encrypted-limit | lmcache | safetensors | torch | tenantkv
+    # plot colour: raw, encrypted-limit, decrypt-ceiling, lmcache, safetensors, torch, tenantkv
+    group: str
     run: Callable[[], tuple[Loaded, float, float]]
     layers: Callable[[Loaded], list[list[torch.Tensor]]]
     release: Callable[[Loaded], None] = lambda _loaded: None
@@ -276,6 +277,47 @@ def encrypted_limit_system(
     return System(
         "encrypted limit: preadv + AES-GCM decrypt_into",
         "encrypted-limit",
+        run,
+        per_layer,
+        prepare=zero,
+        note=f"{pool.threads} threads",
+    )
+
+
+def decrypt_ceiling_system(
+    fd: int,
+    bufs: Sequence[torch.Tensor],
+    shape: Shape,
+    cipher: SegmentCipher,
+    pool: Pool,
+    zero: Callable[[], None],
+) -> System:
+    """The bound on any encrypted load on this machine: the encrypted limit's decryption with
+    no read at all, every layer's ciphertext held in memory (read once, untimed). Its GB/s is
+    what the cores decrypt from memory into the destination; a load that also reads cannot
+    beat it, so where it is below LMCache's (a copy out of the page cache) the target
+    "encrypted load >= LMCache" is out of reach on this machine."""
+    held = []
+    for layer in range(shape.layers):
+        whole = memoryview(bytearray(shape.layer_ct_bytes))
+        preadv_full(fd, whole, layer * shape.layer_ct_bytes)
+        held.append(split(whole, shape.ct_spans))
+    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
+    decrypt_into = cipher.aead.decrypt_into
+
+    def task(layer: int) -> None:
+        out, nonces, aads = dst[layer], cipher.nonces[layer], cipher.aads[layer]
+        for b, seg in enumerate(held[layer]):
+            decrypt_into(nonces[b], seg, aads[b], out[b])
+
+    def run() -> tuple[Loaded, float, float]:
+        t0 = time.perf_counter()
+        first = pool.each_layer(task, shape.layers)
+        return bufs, first - t0, time.perf_counter() - t0
+
+    return System(
+        "decrypt-only ceiling: AES-GCM decrypt_into from memory, no reads",
+        "decrypt-ceiling",
         run,
         per_layer,
         prepare=zero,
