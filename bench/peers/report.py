@@ -405,7 +405,8 @@ def build(
         " average position is the middle (a backward round also starts with the files the page"
         " cache touched last). The order of every round is in peers.json.",
         "- Verification: after every timed load, untimed, every loaded byte is compared with the"
-        " original (reused destinations are zeroed before each load, so stale bytes cannot pass);"
+        " original (reused destinations are zeroed before each load, on one thread, so stale bytes"
+        " cannot pass and no thread pool spins into the timed load);"
         " the untimed warm-up load of each system is checked the same way, and once per size a"
         " load with one flipped bit must fail the check (a positive control).",
         "- Time to first layer (TTFL): from the call until layer 0 is usable. LMCache's chunks"
