@@ -43,6 +43,15 @@ def _extent_files(root: Path) -> list[Path]:
     return sorted((root / "blocks" / "extents").glob("*/*.tkx"))
 
 
+def _flip_bit(root: Path, *, layer: int, block: int) -> None:
+    """Flip one ciphertext bit of segment (``block``, ``layer``) of the cache's one MLA extent."""
+    (path,) = _extent_files(root)
+    data = bytearray(path.read_bytes())
+    sealed = 64 * MLA.token_bytes + 16
+    data[32 + sealed * (TOKENS // 64 * layer + block) + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def test_the_store_maps_only_when_asked(tmp_path: Path) -> None:
     data = os.urandom(3 * 4096 + 5)
     for map_reads in (True, False):
@@ -120,11 +129,7 @@ def test_a_flipped_ciphertext_bit_fails_to_open(cache: TenantKV, tmp_path: Path)
     want = random_layers(MLA, TOKENS, seed=6)
     ns.store(tokens, want)
     assert all(layers_equal(a, b) for a, b in zip(load_all(ns, tokens), want, strict=True))
-    (path,) = _extent_files(tmp_path / "cache")
-    data = bytearray(path.read_bytes())
-    sealed = 64 * MLA.token_bytes + 16
-    data[32 + sealed * (TOKENS // 64) + 100] ^= 0x01  # layer 1, block 0
-    path.write_bytes(bytes(data))
+    _flip_bit(tmp_path / "cache", layer=1, block=0)
     with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
         for _ in stream:
             pass
@@ -252,12 +257,7 @@ def test_a_flipped_bit_in_a_later_group_fails_to_open(
     want = random_layers(MLA, TOKENS, seed=18)
     ns.store(tokens, want)
     assert all(layers_equal(a, b) for a, b in zip(load_all(ns, tokens), want, strict=True))
-    (path,) = _extent_files(tmp_path / "cache")
-    data = bytearray(path.read_bytes())
-    sealed = 64 * MLA.token_bytes + 16
-    last = TOKENS // 64 - 1
-    data[32 + sealed * (TOKENS // 64 + last) + 100] ^= 0x01  # layer 1, its last block
-    path.write_bytes(bytes(data))
+    _flip_bit(tmp_path / "cache", layer=1, block=TOKENS // 64 - 1)  # layer 1's last block
     with pytest.raises(tenantkv.SegmentIntegrityError) as caught, ns.load(tokens) as stream:
         for _ in stream:
             pass

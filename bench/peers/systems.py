@@ -259,29 +259,49 @@ def encrypted_limit_system(
     zero: Callable[[], None],
 ) -> System:
     """bench/streaming.py's limit: per layer one ``preadv`` of its ciphertext + decrypt_into."""
-    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
-    decrypt_into = cipher.aead.decrypt_into
+    decrypt_layer = _layer_decrypter(bufs, shape, cipher)
 
     def task(layer: int) -> None:
         whole, segments = pool.scratch()
         preadv_full(fd, whole, layer * shape.layer_ct_bytes)
+        decrypt_layer(layer, segments)
+
+    return System(
+        "encrypted limit: preadv + AES-GCM decrypt_into",
+        "encrypted-limit",
+        _each_layer_on(pool, task, shape, bufs),
+        per_layer,
+        prepare=zero,
+        note=f"{pool.threads} threads",
+    )
+
+
+def _layer_decrypter(
+    bufs: Sequence[torch.Tensor], shape: Shape, cipher: SegmentCipher
+) -> Callable[[int, Sequence[memoryview]], None]:
+    """``decrypt(layer, sealed_segments)``: a layer's segments opened into ``bufs[layer]``."""
+    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
+    decrypt_into = cipher.aead.decrypt_into
+
+    def decrypt(layer: int, segments: Sequence[memoryview]) -> None:
         out, nonces, aads = dst[layer], cipher.nonces[layer], cipher.aads[layer]
         for b, seg in enumerate(segments):
             decrypt_into(nonces[b], seg, aads[b], out[b])
+
+    return decrypt
+
+
+def _each_layer_on(
+    pool: Pool, task: Callable[[int], None], shape: Shape, bufs: Sequence[torch.Tensor]
+) -> Callable[[], tuple[Loaded, float, float]]:
+    """A system's ``run``: ``task`` for every layer on ``pool``, timed to layer 0 and to all."""
 
     def run() -> tuple[Loaded, float, float]:
         t0 = time.perf_counter()
         first = pool.each_layer(task, shape.layers)
         return bufs, first - t0, time.perf_counter() - t0
 
-    return System(
-        "encrypted limit: preadv + AES-GCM decrypt_into",
-        "encrypted-limit",
-        run,
-        per_layer,
-        prepare=zero,
-        note=f"{pool.threads} threads",
-    )
+    return run
 
 
 def decrypt_ceiling_system(
@@ -302,23 +322,11 @@ def decrypt_ceiling_system(
         whole = memoryview(bytearray(shape.layer_ct_bytes))
         preadv_full(fd, whole, layer * shape.layer_ct_bytes)
         held.append(split(whole, shape.ct_spans))
-    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
-    decrypt_into = cipher.aead.decrypt_into
-
-    def task(layer: int) -> None:
-        out, nonces, aads = dst[layer], cipher.nonces[layer], cipher.aads[layer]
-        for b, seg in enumerate(held[layer]):
-            decrypt_into(nonces[b], seg, aads[b], out[b])
-
-    def run() -> tuple[Loaded, float, float]:
-        t0 = time.perf_counter()
-        first = pool.each_layer(task, shape.layers)
-        return bufs, first - t0, time.perf_counter() - t0
-
+    decrypt_layer = _layer_decrypter(bufs, shape, cipher)
     return System(
         "decrypt-only ceiling: AES-GCM decrypt_into from memory, no reads",
         "decrypt-ceiling",
-        run,
+        _each_layer_on(pool, lambda layer: decrypt_layer(layer, held[layer]), shape, bufs),
         per_layer,
         prepare=zero,
         note=f"{pool.threads} threads",
