@@ -282,11 +282,10 @@ class LoadStream:
         self._outputs: list[LayerOutput | None] = [None] * self.num_layers
         self._events: list[Any] = [None] * self.num_layers
         self._waiting_for = -1  # the layer the caller is blocked on, if any
-        self._caller_running = threading.Event()  # set when the caller returns from a wait
-        # Layer 0 is complete and the caller blocked on it is not running yet: workers pause
-        # between groups of segments (see _open_segments). Read without the lock: a stale
-        # read costs one more group.
-        self._handing_over = False
+        # Clear from layer 0's completion until the caller blocked on it runs again (a hand-over:
+        # workers pause, see _open_segments); set otherwise, from the start.
+        self._caller_running = threading.Event()
+        self._caller_running.set()
         self._next_item = 0  # the next chunk to hand to a worker, in layer order
         self._demanded = -1  # the caller asked for this layer: load up to it whatever the window
         self._released = 0  # layers before this were handed over by iteration and let go
@@ -500,7 +499,6 @@ class LoadStream:
         if layer != 0:
             return False
         self._caller_running.clear()
-        self._handing_over = True
         return True
 
     def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
@@ -597,7 +595,8 @@ class LoadStream:
             return
         stride = len(sealed) // count
         for start in range(0, count, HANDOVER_SEGMENTS):
-            if self._handing_over:
+            # Read without the lock: a stale read costs one more group.
+            if not self._caller_running.is_set():
                 self._caller_running.wait(FIRST_LAYER_HANDOVER_S)
             end = min(start + HANDOVER_SEGMENTS, count)
             cipher.open_many_into(
@@ -662,7 +661,6 @@ class LoadStream:
                     continue
                 self._waiting_for = index
                 self._changed.wait()
-                self._handing_over = False
                 self._caller_running.set()
                 self._waiting_for = -1
         if broken is None and self._keys_exist is not None and not self._keys_exist():

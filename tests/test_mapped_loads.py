@@ -276,8 +276,12 @@ class _RecordingCipher:
 
 
 class _RecordingEvent:
-    def __init__(self, log: list[tuple[str, int, int]]) -> None:
+    def __init__(self, log: list[tuple[str, int, int]], running: bool) -> None:
         self.log = log
+        self.running = running
+
+    def is_set(self) -> bool:
+        return self.running
 
     def wait(self, timeout: float) -> bool:
         assert timeout == loader_module.FIRST_LAYER_HANDOVER_S
@@ -294,8 +298,7 @@ def test_workers_pause_between_groups_only_while_a_woken_caller_waits_to_run(
     monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", 2)
     log: list[tuple[str, int, int]] = []
     stream = object.__new__(loader_module.LoadStream)  # only the fields _open_segments reads
-    stream._handing_over = handing_over
-    stream._caller_running = _RecordingEvent(log)  # type: ignore[assignment]
+    stream._caller_running = _RecordingEvent(log, running=not handing_over)  # type: ignore[assignment]
     # 5 segments of 10 sealed bytes, from slot 7 of layer 1: groups of 2, 2 and 1
     work = SimpleNamespace(chunk=SimpleNamespace(slot=7), keys=[b"k"] * 5)
     stream._open_segments(
