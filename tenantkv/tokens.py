@@ -15,7 +15,7 @@ from .tensor_checks import check_dense
 
 TokenArray = npt.NDArray[np.uint32]
 MAX_TOKEN_ID = 2**32 - 1
-PackFunction = Callable[[list[Any] | tuple[Any, ...]], bytearray]
+PackFunction = Callable[[list[Any] | tuple[Any, ...]], "bytearray | array.array[int]"]
 
 
 def _built_packer() -> PackFunction | None:
@@ -63,14 +63,22 @@ def as_token_array(tokens: Any) -> TokenArray:
 def _list_as_token_array(tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
     """A list or tuple of ids, packed and range-checked in one pass in C: by
     ``tenantkv/_token_ids.c`` where the install built it (0.4x the time of ``array.array`` for
-    a 128K-token list), else by :func:`_list_as_token_array_python`."""
-    if _pack is None:
-        return _list_as_token_array_python(tokens)
+    a 128K-token list), else by :func:`_pack_with_array`."""
+    return _packed(_pack or _pack_with_array, tokens)
+
+
+def _list_as_token_array_python(tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
+    """:func:`_list_as_token_array` without the C packer: the same answers and errors."""
+    return _packed(_pack_with_array, tokens)
+
+
+def _packed(pack: PackFunction, tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
+    """``pack(tokens)`` as a uint32 array; the packers' errors as InvalidRequestError."""
     try:
-        packed = _pack(tokens)
+        packed = pack(tokens)
     except OverflowError:
         raise InvalidRequestError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
-    except ValueError:
+    except ValueError:  # a boolean
         raise InvalidRequestError(
             "tokens must be a flat sequence of integer ids, not booleans"
         ) from None
@@ -80,21 +88,16 @@ def _list_as_token_array(tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
     return result
 
 
-def _list_as_token_array_python(tokens: list[Any] | tuple[Any, ...]) -> TokenArray:
-    """:func:`_list_as_token_array` without the C packer: the same answers and errors.
+def _pack_with_array(tokens: list[Any] | tuple[Any, ...]) -> array.array[int]:
+    """The C packer's rules with ``array.array``: OverflowError for ids outside [0, 2**32),
+    TypeError for floats, strings and nested sequences, ValueError for booleans.
 
-    ``array.array`` takes ints and other integer types (``__index__``), and refuses floats,
-    strings, nested sequences and ids outside [0, 2**32). It takes booleans as 0 and 1, so only
-    the elements that are 0 or 1 have their type checked: a per-element check of every type
-    is measurable on the path to a load's first layer (docs/perf.md).
+    ``array.array`` takes booleans as 0 and 1, so only the elements that are 0 or 1 have their
+    type checked: a per-element check of every type is measurable on the path to a load's
+    first layer (docs/perf.md).
     """
-    try:
-        packed = array.array(_UINT32_CODE, tokens)
-    except OverflowError:
-        raise InvalidRequestError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
-    except TypeError:
-        raise InvalidRequestError("tokens must be a flat sequence of integer ids") from None
-    result: TokenArray = np.frombuffer(packed, dtype=np.uint32)
-    if any(type(tokens[index]) is bool for index in np.flatnonzero(result <= 1).tolist()):
-        raise InvalidRequestError("tokens must be a flat sequence of integer ids, not booleans")
-    return result
+    packed = array.array(_UINT32_CODE, tokens)
+    values = np.frombuffer(packed, dtype=np.uint32)
+    if any(type(tokens[index]) is bool for index in np.flatnonzero(values <= 1).tolist()):
+        raise ValueError("booleans are not token ids")
+    return packed
