@@ -31,7 +31,8 @@ static const uint64_t IV[8] = {
     0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
 };
 
-static const uint8_t SIGMA[12][16] = {
+/* Round r uses row r % 10 (rounds 10 and 11 repeat rows 0 and 1). */
+static const uint8_t SIGMA[10][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
     {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
@@ -42,8 +43,6 @@ static const uint8_t SIGMA[12][16] = {
     {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
     {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
     {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
 static inline uint64_t load64(const uint8_t *p) {
@@ -61,16 +60,16 @@ static inline void store64(uint8_t *p, uint64_t v) {
 
 static inline uint64_t rotr64(uint64_t v, unsigned n) { return (v >> n) | (v << (64 - n)); }
 
-#define G(r, i, a, b, c, d)                      \
-    do {                                         \
-        a = a + b + m[SIGMA[r][2 * (i)]];        \
-        d = rotr64(d ^ a, 32);                   \
-        c = c + d;                               \
-        b = rotr64(b ^ c, 24);                   \
-        a = a + b + m[SIGMA[r][2 * (i) + 1]];    \
-        d = rotr64(d ^ a, 16);                   \
-        c = c + d;                               \
-        b = rotr64(b ^ c, 63);                   \
+#define G(r, i, a, b, c, d)                          \
+    do {                                             \
+        a = a + b + m[SIGMA[(r) % 10][2 * (i)]];     \
+        d = rotr64(d ^ a, 32);                       \
+        c = c + d;                                   \
+        b = rotr64(b ^ c, 24);                       \
+        a = a + b + m[SIGMA[(r) % 10][2 * (i) + 1]]; \
+        d = rotr64(d ^ a, 16);                       \
+        c = c + d;                                   \
+        b = rotr64(b ^ c, 63);                       \
     } while (0)
 
 #define ROUND(r)                              \
