@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from _common import (
@@ -1024,16 +1025,10 @@ def write_outputs(
     rows: Sequence[tuple[str, float, str]],
     releases_gil: bool,
 ) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    png, js = out / "store_load.png", out / "store_load.json"
-    crypto_version = machine["cryptography"].split()[0]
-    title = (
+    heading = (
         f"tenantkv store/load vs baselines: {shape.layers} layers x {shape.tokens} tokens "
-        f"x 576 bf16 ({shape.total_bytes / MB:.0f} MB), {reps} reps\n"
-        f"{machine['cpu']}, {machine['cores']} cores, python {machine['python']}, "
-        f"cryptography {crypto_version}"
+        f"x 576 bf16 ({shape.total_bytes / MB:.0f} MB), {reps} reps"
     )
-    plot_results(results, png, title)
     report = {
         "machine": machine,
         "shape": asdict(shape) | {"total_bytes": shape.total_bytes},
@@ -1043,8 +1038,7 @@ def write_outputs(
         "tenantkv_first_layer_seconds": tkv.first_layer_seconds if tkv else None,
         "ratios": {name: value for name, value, _ in rows},
     }
-    js.write_text(json.dumps(report, indent=2) + "\n")
-    return png, js
+    return _write_plot_and_report(out, "store_load", results, heading, machine, report)
 
 
 def write_store_outputs(
@@ -1056,19 +1050,13 @@ def write_store_outputs(
     long_run: LongStoreRun | None,
     rows: Sequence[tuple[str, float, str]],
 ) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    png, js = out / "store_path.png", out / "store_path.json"
     results = [r for run in runs for r in run.results]
     if long_run is not None:
         results.append(long_run.total)
-    crypto_version = machine["cryptography"].split()[0]
-    title = (
+    heading = (
         f"tenantkv store vs the encrypted store limit: {layers} layers x 576 bf16, "
-        f"{reps} rounds (methods alternating)\n"
-        f"{machine['cpu']}, {machine['cores']} cores, python {machine['python']}, "
-        f"cryptography {crypto_version}"
+        f"{reps} rounds (methods alternating)"
     )
-    plot_results(results, png, title)
     report = {
         "machine": machine,
         "layers": layers,
@@ -1086,6 +1074,27 @@ def write_store_outputs(
         },
         "ratios": {name: value for name, value, _ in rows},
     }
+    return _write_plot_and_report(out, "store_path", results, heading, machine, report)
+
+
+def _write_plot_and_report(
+    out: Path,
+    stem: str,
+    results: Sequence[Result],
+    heading: str,
+    machine: dict[str, str],
+    report: dict[str, Any],
+) -> tuple[Path, Path]:
+    """``out/stem.png`` (``results`` plotted under ``heading`` and the machine) and
+    ``out/stem.json`` (``report``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    png, js = out / f"{stem}.png", out / f"{stem}.json"
+    crypto_version = machine["cryptography"].split()[0]
+    title = (
+        f"{heading}\n{machine['cpu']}, {machine['cores']} cores, python {machine['python']}, "
+        f"cryptography {crypto_version}"
+    )
+    plot_results(results, png, title)
     js.write_text(json.dumps(report, indent=2) + "\n")
     return png, js
 
