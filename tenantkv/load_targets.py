@@ -44,7 +44,7 @@ def _check_buffer(
         )
     if tensor.device != device:
         raise InvalidRequestError(f"{what} is on {tensor.device}, the load targets {device}")
-    if tensor.dim() != 1 + len(tail) or tuple(tensor.shape[1:]) != tail:
+    if tensor.dim() != 1 + len(tail) or tensor.shape[1:] != tail:
         raise InvalidRequestError(
             f"{what} has shape {list(tensor.shape)}, expected [rows, {', '.join(map(str, tail))}]"
         )
@@ -147,13 +147,14 @@ class LoadTarget:
         named: list[tuple[str, torch.Tensor]] = []
         kind = layout.strategy
         tail = kind.out_tail(layout)
+        device = self.device
+
+        def check(what: str, tensor: Any) -> torch.Tensor:
+            buffer = _check_buffer(what, tensor, layout, device, tail, rows_needed)
+            named.append((what, buffer))
+            return buffer
+
         for index, entry in enumerate(out):
-
-            def check(what: str, tensor: Any) -> torch.Tensor:
-                buffer = _check_buffer(what, tensor, layout, self.device, tail, rows_needed)
-                named.append((what, buffer))
-                return buffer
-
             yielded, _parts = kind.out_parts(entry, f"out[{index}]", check)
             checked.append(yielded)
         # Buffers that share bytes (one view overlapping another, or the tokens) would have one

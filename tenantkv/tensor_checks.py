@@ -25,33 +25,40 @@ def check_dense(what: str, tensor: torch.Tensor) -> torch.Tensor:
         raise InvalidRequestError(
             f"{what} has layout {tensor.layout}; pass a dense (strided) tensor"
         )
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise InvalidRequestError(f"{what} is on the meta device and holds no data")
     return tensor
 
 
-def _byte_span(tensor: torch.Tensor) -> tuple[str, int, int]:
-    """(device key, first byte, end byte) of the memory ``tensor`` may touch."""
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """(first byte, end byte) of the memory ``tensor`` may touch, on its device."""
     if tensor.numel() == 0:
-        return ("", 0, 0)
-    size = tensor.element_size()
+        return (0, 0)
     start = tensor.data_ptr()
+    if tensor.is_contiguous():  # the common case (every out= buffer), without the stride walk
+        return start, start + tensor.nbytes
     # The farthest element reachable through the strides (negative strides do not exist).
     last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-    return str(tensor.device), start, start + (last + 1) * size
+    return start, start + (last + 1) * tensor.element_size()
 
 
 def check_disjoint(named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Refuse tensors of which any two share a byte (views of one buffer that overlap).
 
     Views of one buffer that do not overlap (distinct row ranges of one pool) are accepted.
+    Runs on every ``out=`` load (61 buffers and more), so it walks each device's spans once in
+    address order.
     """
-    spans = sorted(
-        (span, what) for what, tensor in named if (span := _byte_span(tensor))[2] > span[1]
-    )
-    reach: tuple[str, int, str] | None = None  # (device, farthest end so far, whose)
-    for (device, start, end), what in spans:
-        if reach is not None and reach[0] == device and start < reach[1]:
-            raise InvalidRequestError(f"{what} shares memory with {reach[2]}")
-        if reach is None or reach[0] != device or end > reach[1]:
-            reach = (device, end, what)
+    by_device: dict[torch.device, list[tuple[int, int, str]]] = {}
+    for what, tensor in named:
+        start, end = _byte_span(tensor)
+        if end > start:
+            by_device.setdefault(tensor.device, []).append((start, end, what))
+    for spans in by_device.values():
+        spans.sort()
+        reach, whose = -1, ""  # the farthest end so far, and the span it belongs to
+        for start, end, what in spans:
+            if start < reach:
+                raise InvalidRequestError(f"{what} shares memory with {whose}")
+            if end > reach:
+                reach, whose = end, what
