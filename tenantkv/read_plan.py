@@ -7,6 +7,7 @@ stored by one call, one read per layer in all).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .crypto import ExtentCipher
@@ -53,21 +54,26 @@ class ReadPlan:
 
 
 def group_runs(
-    blocks: list[tuple[BlockKey, PlannedExtent, int]],
+    keys: Sequence[BlockKey],
+    located: Mapping[bytes, tuple[str, int]],
+    extents: Mapping[str, PlannedExtent],
 ) -> ReadPlan:
-    """Build a plan from ``(block key, extent, slot)`` for prefix positions 0, 1, 2, ..."""
+    """The plan of prefix positions 0, 1, 2, ...: block ``keys[p]`` lies at ``located[key]``
+    (extent id, slot), in one of ``extents``.
+
+    One pass over the keys, with no intermediate list: a 128K-token prefix has 2,048 blocks
+    and every load waits on its plan."""
     runs: list[Run] = []
     start = 0
-    while start < len(blocks):
-        _, extent, first_slot = blocks[start]
-        end = start + 1
-        while (
-            end < len(blocks)
-            and blocks[end][1].extent_id == extent.extent_id
-            and blocks[end][2] == first_slot + (end - start)
-        ):
-            end += 1
-        keys = tuple(key for key, _, _ in blocks[start:end])
-        runs.append(Run(extent, first_slot, start, keys))
-        start = end
-    return ReadPlan(tuple(runs), len(blocks))
+    run_extent = ""  # no extent id is empty: position 0 starts the first run
+    run_slot = 0
+    for position, key in enumerate(keys):
+        extent_id, slot = located[key]
+        if extent_id == run_extent and slot == run_slot + (position - start):
+            continue
+        if position:
+            runs.append(Run(extents[run_extent], run_slot, start, tuple(keys[start:position])))
+        run_extent, run_slot, start = extent_id, slot, position
+    if keys:
+        runs.append(Run(extents[run_extent], run_slot, start, tuple(keys[start:])))
+    return ReadPlan(tuple(runs), len(keys))

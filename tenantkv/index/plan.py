@@ -75,15 +75,22 @@ _STATEMENTS = {"blocks": _blocks, "extents": _extents}
 @dataclass(frozen=True, slots=True)
 class _RenderedQuery:
     """A statement rendered once for one database driver: its SQL in the driver's parameter
-    style, and for positional styles the order of its parameters."""
+    style and how its parameters are bound: for positional styles the names before and after
+    its IN list's keys (``key0 ..``, consecutive: one IN list per statement), for named
+    styles the keys' names."""
 
     sql: str
-    order: tuple[str, ...] | None
+    positional: bool
+    before: tuple[str, ...]  # positional: the parameters ahead of the keys
+    after: tuple[str, ...]  # positional: the parameters after the keys
+    key_names: tuple[str, ...]  # named: "key0", "key1", ...
 
-    def parameters(self, values: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
-        if self.order is None:
-            return values
-        return tuple(values[name] for name in self.order)
+    def parameters(self, values: dict[str, Any], keys: Sequence[Any]) -> Any:
+        """The driver's parameters: ``values`` by name and ``keys`` as ``key0 ..``."""
+        if self.positional:
+            before = [values[name] for name in self.before]
+            return (*before, *keys, *[values[name] for name in self.after])
+        return {**values, **dict(zip(self.key_names, keys, strict=True))}
 
 
 _RENDERED: dict[tuple[str, str, str, str, int], _RenderedQuery] = {}
@@ -97,9 +104,16 @@ def _rendered(dialect: Dialect, statement: str, count: int) -> _RenderedQuery:
     query = _RENDERED.get(cache_key)
     if query is None:
         compiled = _STATEMENTS[statement](count).compile(dialect=dialect)
-        positional = compiled.positional and compiled.positiontup is not None
-        order = tuple(compiled.positiontup or ()) if positional else None
-        query = _RENDERED.setdefault(cache_key, _RenderedQuery(compiled.string, order))
+        key_names = tuple(f"key{i}" for i in range(count))
+        if compiled.positional and compiled.positiontup is not None:
+            order = tuple(compiled.positiontup)
+            first = order.index("key0")
+            if order[first : first + count] != key_names:
+                raise AssertionError(f"{statement}: the IN list's parameters are not in a row")
+            query = _RenderedQuery(compiled.string, True, order[:first], order[first + count :], ())
+        else:
+            query = _RenderedQuery(compiled.string, False, (), (), key_names)
+        query = _RENDERED.setdefault(cache_key, query)
     return query
 
 
@@ -130,12 +144,8 @@ def _run(
     with a repeated key, which matches no extra row) with the other ``values``."""
     bucket = _key_bucket(len(keys))
     query = _rendered(connection.dialect, statement, bucket)
-    values = dict(values)
-    for index, key in enumerate(keys):
-        values[f"key{index}"] = key
-    for index in range(len(keys), bucket):
-        values[f"key{index}"] = keys[-1]
-    return connection.exec_driver_sql(query.sql, query.parameters(values))
+    padded = [*keys, *[keys[-1]] * (bucket - len(keys))]
+    return connection.exec_driver_sql(query.sql, query.parameters(values, padded))
 
 
 def locate_blocks(
@@ -186,9 +196,11 @@ def locate_blocks(
             segment_bytes,
             None if wrapped_key is None else bytes(wrapped_key),
         )
-    for block_key, extent_id, slot in blocks:
-        if extent_id in extents:
-            located[bytes(block_key)] = (extent_id, slot)
+    located = {
+        bytes(block_key): (extent_id, slot)
+        for block_key, extent_id, slot in blocks
+        if extent_id in extents
+    }
     return located, extents
 
 

@@ -754,7 +754,7 @@ class Namespace:
         planned = {
             extent_id: self._planned_extent(row) for extent_id, row in rows_by_extent.items()
         }
-        return group_runs([(key, planned[located[key][0]], located[key][1]) for key in keys])
+        return group_runs(keys, located, planned)
 
     def _planned_extent(self, row: ExtentRow) -> PlannedExtent:
         """The geometry and cipher of one indexed extent, after checking it fits this namespace."""
