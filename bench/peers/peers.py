@@ -149,6 +149,8 @@ def run_size(
             b.view(torch.uint8).numpy().fill(0)
 
     pool = S.Pool(threads, shape)
+    # The ceiling on one thread too: how far decryption scales with threads in one process.
+    solo = S.Pool(1, shape) if threads > 1 else None
     lmc_system = S.System(
         "LMCache LocalDiskBackend",
         "lmcache",
@@ -163,7 +165,11 @@ def run_size(
         S.encrypted_limit_system(enc_fd, bufs, shape, cipher, pool, zero),
         # held in memory: only where the prefix's ciphertext is small beside the page cache
         *(
-            [S.decrypt_ceiling_system(enc_fd, bufs, shape, cipher, pool, zero)]
+            [
+                S.decrypt_ceiling_system(enc_fd, bufs, shape, cipher, each, zero)
+                for each in (pool, solo)
+                if each is not None
+            ]
             if shape.total_ct_bytes <= CEILING_MAX_BYTES
             else []
         ),
@@ -187,6 +193,8 @@ def run_size(
                 one_load(system, want, timed=True)
     finally:
         pool.close()
+        if solo is not None:
+            solo.close()
         for cache in caches:
             cache.close()
         lmc.close()

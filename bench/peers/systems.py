@@ -329,7 +329,7 @@ def decrypt_ceiling_system(
         _each_layer_on(pool, lambda layer: decrypt_layer(layer, held[layer]), shape, bufs),
         per_layer,
         prepare=zero,
-        note=f"{pool.threads} threads",
+        note="1 thread" if pool.threads == 1 else f"{pool.threads} threads",
     )
 
 
