@@ -767,10 +767,10 @@ class Namespace:
             self.block_tokens * self.layout.token_bytes
         ):
             raise CacheMissError("an indexed extent does not match this namespace's layout")
-        tenant_id = self.identity.tenant_id
-        data_key = self._ctx.keys.data_key(tenant_id, row.key_version, row.wrapped_key)
-        context = SegmentContext(tenant_id, row.key_version, self.identity.namespace_id)
-        cipher = ExtentCipher(data_key, row.salt, context, geometry.suite)
+        context = SegmentContext(
+            self.identity.tenant_id, row.key_version, self.identity.namespace_id
+        )
+        cipher = self._ctx.keys.extent_cipher(context, row.wrapped_key, row.salt, geometry.suite)
         return PlannedExtent(row.extent_id, geometry, cipher, row.key_version)
 
     def _finish_load(
