@@ -165,11 +165,9 @@ def run_size(
         S.encrypted_limit_system(enc_fd, bufs, shape, cipher, pool, zero),
         # held in memory: only where the prefix's ciphertext is small beside the page cache
         *(
-            [
-                S.decrypt_ceiling_system(enc_fd, bufs, shape, cipher, each, zero)
-                for each in (pool, solo)
-                if each is not None
-            ]
+            S.decrypt_ceiling_systems(
+                enc_fd, bufs, shape, cipher, [p for p in (pool, solo) if p is not None], zero
+            )
             if shape.total_ct_bytes <= CEILING_MAX_BYTES
             else []
         ),

@@ -304,33 +304,36 @@ def _each_layer_on(
     return run
 
 
-def decrypt_ceiling_system(
+def decrypt_ceiling_systems(
     fd: int,
     bufs: Sequence[torch.Tensor],
     shape: Shape,
     cipher: SegmentCipher,
-    pool: Pool,
+    pools: Sequence[Pool],
     zero: Callable[[], None],
-) -> System:
+) -> list[System]:
     """The bound on any encrypted load on this machine: the encrypted limit's decryption with
-    no read at all, every layer's ciphertext held in memory (read once, untimed). Its GB/s is
-    what the cores decrypt from memory into the destination; a load that also reads cannot
-    beat it, so where it is below LMCache's (a copy out of the page cache) the target
-    "encrypted load >= LMCache" is out of reach on this machine."""
+    no read at all, every layer's ciphertext held in memory (read once, untimed, and shared by
+    one system per pool). Its GB/s is what the cores decrypt from memory into the destination;
+    a load that also reads cannot beat it, so where it is below LMCache's (a copy out of the
+    page cache) the target "encrypted load >= LMCache" is out of reach on this machine."""
     held = []
     for layer in range(shape.layers):
         whole = memoryview(bytearray(shape.layer_ct_bytes))
         preadv_full(fd, whole, layer * shape.layer_ct_bytes)
         held.append(split(whole, shape.ct_spans))
     decrypt_layer = _layer_decrypter(bufs, shape, cipher)
-    return System(
-        "decrypt-only ceiling: AES-GCM decrypt_into from memory, no reads",
-        "decrypt-ceiling",
-        _each_layer_on(pool, lambda layer: decrypt_layer(layer, held[layer]), shape, bufs),
-        per_layer,
-        prepare=zero,
-        note="1 thread" if pool.threads == 1 else f"{pool.threads} threads",
-    )
+    return [
+        System(
+            "decrypt-only ceiling: AES-GCM decrypt_into from memory, no reads",
+            "decrypt-ceiling",
+            _each_layer_on(pool, lambda layer: decrypt_layer(layer, held[layer]), shape, bufs),
+            per_layer,
+            prepare=zero,
+            note="1 thread" if pool.threads == 1 else f"{pool.threads} threads",
+        )
+        for pool in pools
+    ]
 
 
 def touch_pages(t: torch.Tensor) -> int:
