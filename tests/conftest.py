@@ -23,11 +23,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import tenantkv
 import tenantkv.config
 from tenantkv import TenantKV
 from tests.indexes import INDEX_KINDS, ORIGINAL_DEFAULT_URL, POSTGRES_URL, Index, PostgresSchemas
+
+# Property tests check behaviour, not speed: on a shared or loaded host one example can take far
+# longer than Hypothesis' default 200 ms deadline, and a slow generator trips its too_slow health
+# check. Neither says anything about tenantkv, so the suite's profile turns both off; a test's own
+# @settings still overrides the rest.
+settings.register_profile("tenantkv", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tenantkv")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
