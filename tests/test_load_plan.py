@@ -1,9 +1,10 @@
 """A load's read plan: every block must be live, keyed and laid out as this namespace expects.
 
-The plan is two index statements (see ``tenantkv/index/plan.py``); these tests change the index
-under a stored prefix and check that the load becomes a miss -- with a positive control that
-the same load succeeds before the change -- and that plans spanning several query chunks and
-extents still load exactly.
+The plan is a few index statements (see ``tenantkv/index/plan.py``): the blocks run by run, then
+their extents. These tests change the index under a stored prefix and check that the load
+becomes a miss -- with a positive control that the same load succeeds before the change -- and
+that plans spanning several query chunks and extents, or scattered over extents, still load
+exactly.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from tenantkv.index import plan as plan_module
 from tenantkv.index.plan import _rendered, locate_blocks
 from tenantkv.index.schema import Block, DataKey, Extent
 from tenantkv.loader import split_chunks
-from tenantkv.services import namespace as namespace_module
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 
 MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
@@ -78,10 +78,14 @@ def test_a_gap_in_the_prefix_is_a_miss(kv: TenantKV) -> None:
         ns.load(other)
 
 
+@pytest.mark.parametrize("short_run", [1, 100], ids=["scanned", "in-lists"])
 def test_plans_spanning_query_chunks_and_extents_load_exactly(
-    kv: TenantKV, monkeypatch: pytest.MonkeyPatch
+    kv: TenantKV, monkeypatch: pytest.MonkeyPatch, short_run: int
 ) -> None:
-    monkeypatch.setattr(namespace_module, "_QUERY_CHUNK", 2)  # 7 blocks: 4 queries
+    # Each run in an extent scanned, or IN lists after the first run (as for scattered runs),
+    # of 2 keys a statement: 7 blocks, 4 statements.
+    monkeypatch.setattr(plan_module, "SHORT_RUN", short_run)
+    monkeypatch.setattr(plan_module, "CHUNK", 2)
     kv.create_tenant("acme")
     ns = kv.namespace("acme", model="m", layout=MLA)
     tokens = random_tokens(7 * 64)
@@ -92,6 +96,66 @@ def test_plans_spanning_query_chunks_and_extents_load_exactly(
         assert layers_equal(got, want)
     with pytest.raises(CacheMissError, match="only 384 of 448 tokens"):
         ns.load(tokens[: 6 * 64] + random_tokens(64, seed=5))
+
+
+def _locate(kv: TenantKV, ns: tenantkv.Namespace, keys: list[bytes], *, prefix: bool) -> Any:
+    with kv.context.index.read_connection() as connection:
+        return locate_blocks(
+            connection,
+            tenant_id=ns.identity.tenant_id,
+            namespace_id=ns.identity.namespace_id,
+            keys=keys,
+            now=kv.context.clock(),
+            prefix=prefix,
+        )
+
+
+def _run_from_zero(keys: list[bytes], located: dict[bytes, Any]) -> dict[bytes, Any]:
+    run: dict[bytes, Any] = {}
+    for key in keys:
+        if key not in located:
+            break
+        run[key] = located[key]
+    return run
+
+
+@pytest.mark.parametrize("short_run", [1, 4, 100])
+def test_scanned_plans_find_what_in_lists_find_in_scattered_extents(
+    kv: TenantKV, monkeypatch: pytest.MonkeyPatch, short_run: int
+) -> None:
+    """A plan scans each run of a prefix in its extent and takes a row only when it holds the
+    next key at the next slot. Extents whose slots hold scattered positions (blocks stored
+    around others already cached), slots left empty by removed blocks and prefixes that leave
+    an extent midway must give the plan that one IN-list probe per key gives, and the load must
+    give back the stored bytes."""
+    monkeypatch.setattr(plan_module, "SHORT_RUN", short_run)
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(12 * 64)
+    layers = random_layers(MLA, len(tokens))
+    keys = ns._keys(tokens)
+    ns.store(tokens[: 3 * 64], [prefix_of(layer, 3 * 64) for layer in layers])  # extent A: 0-2
+    ns.store(tokens, layers)  # extent B: blocks 3-11 at slots 0-8
+    # Blocks 5, 6 and 9 leave the index (B's slots 2, 3 and 6 empty), then come back stored
+    # again: extent C holds blocks 5, 6, 9 at slots 0, 1, 2.
+    with kv.context.index.write() as session:
+        session.execute(delete(Block).where(Block.block_key.in_([keys[5], keys[6], keys[9]])))
+    ns.store(tokens, layers)
+    extent_of = {key: place[0] for key, place in _locate(kv, ns, keys, prefix=False)[0].items()}
+    assert len(set(extent_of.values())) == 3  # the layout the test means to build
+    assert extent_of[keys[5]] == extent_of[keys[6]] == extent_of[keys[9]] != extent_of[keys[4]]
+    diverging = ns._keys(tokens[: 7 * 64] + random_tokens(5 * 64, seed=3))
+    for wanted in (keys, keys[:6], keys[4:], keys[5:], diverging):
+        scanned, scanned_extents = _locate(kv, ns, wanted, prefix=True)
+        probed, probed_extents = _locate(kv, ns, wanted, prefix=False)
+        run = _run_from_zero(wanted, probed)
+        assert _run_from_zero(wanted, scanned) == run
+        assert set(scanned) <= set(probed)
+        assert {place[0] for place in run.values()} <= set(scanned_extents)
+        assert scanned_extents.items() <= probed_extents.items()
+    assert len(_run_from_zero(diverging, _locate(kv, ns, diverging, prefix=True)[0])) == 7
+    for got, want in zip(load_all(ns, tokens), layers, strict=True):
+        assert layers_equal(got, want)
 
 
 @pytest.mark.parametrize("wanted", [1, 2, 3, 5, 8, 9])
@@ -136,11 +200,12 @@ def test_plan_query_renders_for_each_driver_parameter_style() -> None:
 
 
 @pytest.mark.usefixtures("index")
+@pytest.mark.parametrize("prefix", [True, False], ids=["scanned", "in-lists"])
 def test_an_extent_removed_between_the_plan_statements_is_never_half_planned(
-    kv: TenantKV, monkeypatch: pytest.MonkeyPatch
+    kv: TenantKV, monkeypatch: pytest.MonkeyPatch, prefix: bool
 ) -> None:
-    """The blocks and their extents are two statements. An extent removed between them (with
-    its blocks) is found by both on SQLite, whose read transaction is one snapshot, and by
+    """The blocks and their extents are separate statements. An extent removed between them
+    (with its blocks) is found by both on SQLite, whose read transaction is one snapshot, and by
     neither on PostgreSQL, whose statements each see their own: either way no block is located
     in an extent the plan has no row for."""
     ns, tokens = _stored(kv, blocks=2)
@@ -155,6 +220,7 @@ def test_an_extent_removed_between_the_plan_statements_is_never_half_planned(
                 namespace_id=identity.namespace_id,
                 keys=keys,
                 now=kv.context.clock(),
+                prefix=prefix,
             )
 
     located, extents = plan()  # positive control: every block, in its one extent

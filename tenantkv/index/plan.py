@@ -1,16 +1,24 @@
 """The index statements of a load: its read plan, and the record of its use afterwards.
 
-A load's first layer waits on the plan, so it is cheap to read: two SQLAlchemy Core ``select``
+A load's first layer waits on the plan, so it is cheap to read: SQLAlchemy Core ``select``
 statements (no ORM session or entities), the blocks' places and then their extents with the
 data keys, each rendered to SQL once per database driver and IN-list size (the next power of two
 of the number of keys, padded with a repeated key) and run with the driver's own parameters:
 building and coercing a statement on every load cost several times what SQLite needs to run
-it, and expanding an IN list per call more again (docs/perf.md). Two statements rather than one
-join: a prefix's blocks lie in a few extents, and repeating each extent's columns on every
-block row cost SQLite twice the time (0.50 against 0.25 ms for 128 blocks, plus ~0.05 ms for
-the extents). An extent and its data key are read in one statement; a block whose extent the
-second statement no longer finds (removed in between, on PostgreSQL's per-statement snapshots)
-is a miss. The record of use is a prebuilt Core statement too.
+it, and expanding an IN list per call more again (docs/perf.md).
+
+The blocks of a prefix are found run by run: a store writes its new blocks in order, so a
+prefix lies in runs of consecutive slots of a few extents, and one statement finds a run's
+first key and reads the rest of the run from the index on ``(extent_id, slot, namespace_id,
+block_key)``, where probing every key cost ~1.5 us a key on SQLite (2,048 keys at 128K tokens:
+~5 ms against ~1.8). Extents holding short, scattered runs are probed by ``IN`` lists instead.
+
+The blocks' places and their extents are separate statements rather than one join: a prefix's
+blocks lie in a few extents, and repeating each extent's columns on every block row cost SQLite
+twice the time (0.50 against 0.25 ms for 128 blocks, plus ~0.05 ms for the extents). An extent
+and its data key are read in one statement; a block whose extent that statement no longer finds
+(removed in between, on PostgreSQL's per-statement snapshots) is a miss. The record of use is a
+prebuilt Core statement too.
 
 What it returns for each requested block that is indexed in the namespace and whose extent has
 not expired: where the block lies (extent, slot) and what opening its extent needs (key version,
@@ -25,10 +33,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Dialect, Float, Select, Update, and_, bindparam, select, update
+from sqlalchemy import (
+    Connection,
+    Dialect,
+    Float,
+    Integer,
+    Select,
+    Update,
+    and_,
+    bindparam,
+    select,
+    update,
+)
+from sqlalchemy.orm import aliased
 
 from ..retention import loads as loads_retention
-from .extents import retention_by_class, retention_parameters
+from .extents import CHUNK, retention_by_class, retention_parameters
 from .schema import Block, DataKey, Extent, Tenant
 
 
@@ -69,7 +89,34 @@ def _extents(count: int) -> Select[*tuple[Any, ...]]:
     )
 
 
-_STATEMENTS = {"blocks": _blocks, "extents": _extents}
+def _run_in_extent(count: int) -> Select[*tuple[Any, ...]]:
+    """The block of a namespace keyed ``key0`` and the blocks after it in its extent, by slot:
+    up to ``span`` of them from its own slot on (``count`` is 1: the one key). Read through
+    ``ix_tkv_blocks_extent_slot``, which holds every column asked for, so no table row is read
+    for the run."""
+    probe = aliased(Block, name="probe")
+    span = bindparam("span", type_=Integer())
+    return (
+        select(Block.block_key, Block.extent_id, Block.slot)
+        .select_from(probe)
+        .join(
+            Block,
+            and_(
+                Block.extent_id == probe.extent_id,
+                Block.slot >= probe.slot,
+                Block.slot < probe.slot + span,
+            ),
+        )
+        .where(
+            probe.namespace_id == bindparam("namespace_id"),
+            probe.block_key.in_([bindparam(f"key{i}") for i in range(count)]),
+            Block.namespace_id == bindparam("namespace_id"),
+        )
+        .order_by(Block.slot)
+    )
+
+
+_STATEMENTS = {"blocks": _blocks, "extents": _extents, "run_in_extent": _run_in_extent}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +144,7 @@ _RENDERED: dict[tuple[str, str, str, str, int], _RenderedQuery] = {}
 
 
 def _rendered(dialect: Dialect, statement: str, count: int) -> _RenderedQuery:
-    """The plan statement ``statement`` (``"blocks"`` or ``"extents"``) for ``count`` keys as
+    """The plan statement ``statement`` (a key of ``_STATEMENTS``) for ``count`` keys as
     ``dialect``'s driver takes it, rendered once per driver and count (engines have dialect
     objects of their own; their SQL is the same)."""
     cache_key = (dialect.name, dialect.driver, dialect.paramstyle, statement, count)
@@ -148,6 +195,70 @@ def _run(
     return connection.exec_driver_sql(query.sql, query.parameters(values, padded))
 
 
+#: A run in one extent shorter than this ends the scan of a prefix: its extents hold short,
+#: scattered runs (blocks stored around others already cached), and ``IN`` lists find the
+#: rest in fewer statements than one scan per run would take.
+SHORT_RUN = 16
+
+Located = dict[bytes, tuple[str, int]]
+
+
+def _find_blocks(connection: Connection, namespace_id: bytes, keys: Sequence[bytes]) -> Located:
+    """``block key -> (extent id, slot)`` of the indexed keys among ``keys`` (``IN`` lists)."""
+    located: Located = {}
+    for start in range(0, len(keys), CHUNK):
+        chunk = keys[start : start + CHUNK]
+        rows = _run(connection, "blocks", chunk, {"namespace_id": namespace_id})
+        located.update((bytes(key), (extent_id, slot)) for key, extent_id, slot in rows)
+    return located
+
+
+def _scan_prefix(connection: Connection, namespace_id: bytes, keys: Sequence[bytes]) -> Located:
+    """``block key -> (extent id, slot)`` of the indexed keys of ``keys`` from the first on, up
+    to the first key that is not indexed (where a load's prefix ends; later keys may be
+    missing from the result).
+
+    A prefix's blocks lie in runs of consecutive slots of a few extents (a store writes its new
+    blocks in order), so one statement per run finds its first key and reads the rows after it
+    in its extent, and each row is taken only while it holds the next key: one statement per
+    run instead of one index probe per key. Extents holding short runs are
+    left to ``IN`` lists (:data:`SHORT_RUN`)."""
+    located: Located = {}
+    done = 0
+    values: dict[str, Any] = {"namespace_id": namespace_id}
+    while done < len(keys):
+        values["span"] = len(keys) - done
+        rows = _run(connection, "run_in_extent", keys[done : done + 1], values).fetchall()
+        run = 0
+        for key, extent_id, slot in rows:
+            if bytes(key) != keys[done + run]:
+                break
+            located[keys[done + run]] = (extent_id, slot)
+            run += 1
+        done += run
+        if run == 0:
+            break  # keys[done] is not indexed: the prefix ends here
+        if run < SHORT_RUN and done < len(keys):
+            located.update(_prefix_by_in_lists(connection, namespace_id, keys[done:]))
+            break
+    return located
+
+
+def _prefix_by_in_lists(
+    connection: Connection, namespace_id: bytes, keys: Sequence[bytes]
+) -> Located:
+    """As :func:`_scan_prefix`, through ``IN`` lists, stopping after the first chunk that has a
+    key missing."""
+    located: Located = {}
+    for start in range(0, len(keys), CHUNK):
+        chunk = keys[start : start + CHUNK]
+        found = _find_blocks(connection, namespace_id, chunk)
+        located.update(found)
+        if len(found) < len(chunk):
+            break
+    return located
+
+
 def locate_blocks(
     connection: Connection,
     *,
@@ -155,21 +266,25 @@ def locate_blocks(
     namespace_id: bytes,
     keys: Sequence[bytes],
     now: float,
-) -> tuple[dict[bytes, tuple[str, int]], dict[str, ExtentRow]]:
+    prefix: bool = False,
+) -> tuple[Located, dict[str, ExtentRow]]:
     """``(block key -> (extent id, slot), extent id -> ExtentRow)`` of the live blocks of
-    ``keys`` (at most a few hundred: the caller chunks longer requests).
+    ``keys``; with ``prefix``, of the keys from the first on up to the first one not indexed
+    (a load's plan: runs in extents are scanned, see :func:`_scan_prefix`).
 
-    Two statements: the blocks, then their (few) extents. A block whose extent the second finds
-    gone or expired -- on PostgreSQL it may have been removed between the two -- is left out,
-    so a race with a removal is a miss, never a plan pointing at bytes that are gone."""
-    located: dict[bytes, tuple[str, int]] = {}
+    Then one statement for the blocks' (few) extents. A block whose extent that statement finds
+    gone or expired -- on PostgreSQL it may have been removed in between -- is left out, so a
+    race with a removal is a miss, never a plan pointing at bytes that are gone."""
     extents: dict[str, ExtentRow] = {}
     if not keys:
-        return located, extents
-    blocks = _run(connection, "blocks", keys, {"namespace_id": namespace_id}).fetchall()
+        return {}, extents
+    if prefix:
+        blocks = _scan_prefix(connection, namespace_id, keys)
+    else:
+        blocks = _find_blocks(connection, namespace_id, keys)
     if not blocks:
-        return located, extents
-    extent_ids = list({extent_id for _key, extent_id, _slot in blocks})
+        return {}, extents
+    extent_ids = list({extent_id for extent_id, _slot in blocks.values()})
     for (
         extent_id,
         key_version,
@@ -196,11 +311,7 @@ def locate_blocks(
             segment_bytes,
             None if wrapped_key is None else bytes(wrapped_key),
         )
-    located = {
-        bytes(block_key): (extent_id, slot)
-        for block_key, extent_id, slot in blocks
-        if extent_id in extents
-    }
+    located = {key: place for key, place in blocks.items() if place[0] in extents}
     return located, extents
 
 

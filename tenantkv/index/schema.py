@@ -113,7 +113,12 @@ class Block(Base):
     """A cached 64-token block of a namespace, found by its keyed prefix hash."""
 
     __tablename__ = "tkv_blocks"
-    __table_args__ = (Index("ix_tkv_blocks_extent", "extent_id"),)
+    # An extent's blocks in slot order, with what a load's plan checks of them (namespace, key):
+    # the plan reads the rest of a prefix's run in an extent from this index alone (index/plan.py).
+    # Its first column serves every lookup by extent (removal, cascades) as well.
+    __table_args__ = (
+        Index("ix_tkv_blocks_extent_slot", "extent_id", "slot", "namespace_id", "block_key"),
+    )
 
     namespace_id: Mapped[bytes] = mapped_column(
         ForeignKey("tkv_namespaces.id", ondelete="CASCADE"), primary_key=True

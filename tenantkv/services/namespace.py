@@ -69,8 +69,6 @@ from .tenants import check_tenant_name
 
 logger = logging.getLogger("tenantkv")
 
-# SQLite allows 32,766 bound parameters; stay far below it and below PostgreSQL's limits.
-_QUERY_CHUNK = 500
 #: The most sealed bytes one store task seals and writes at once (see ``_write_extent``).
 STORE_PIECE_BYTES = 8 << 20
 
@@ -728,23 +726,15 @@ class Namespace:
         Every block must be indexed in this namespace with an unexpired extent, whose key
         version still exists and whose geometry matches this namespace's layout.
         """
-        located: dict[bytes, tuple[str, int]] = {}
-        rows_by_extent: dict[str, ExtentRow] = {}
         identity = self.identity
-        now = self._ctx.clock()
-        for start in range(0, len(keys), _QUERY_CHUNK):
-            chunk = keys[start : start + _QUERY_CHUNK]
-            found, rows = locate_blocks(
-                connection,
-                tenant_id=identity.tenant_id,
-                namespace_id=identity.namespace_id,
-                keys=chunk,
-                now=now,
-            )
-            located.update(found)
-            rows_by_extent.update(rows)
-            if len(found) < len(chunk):
-                break
+        located, rows_by_extent = locate_blocks(
+            connection,
+            tenant_id=identity.tenant_id,
+            namespace_id=identity.namespace_id,
+            keys=keys,
+            now=self._ctx.clock(),
+            prefix=True,
+        )
         cached = self._run_from_zero(keys, located)
         if cached < len(keys):
             raise CacheMissError(
