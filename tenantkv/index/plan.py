@@ -221,8 +221,8 @@ def _scan_prefix(connection: Connection, namespace_id: bytes, keys: Sequence[byt
     A prefix's blocks lie in runs of consecutive slots of a few extents (a store writes its new
     blocks in order), so one statement per run finds its first key and reads the rows after it
     in its extent, and each row is taken only while it holds the next key: one statement per
-    run instead of one index probe per key. Extents holding short runs are
-    left to ``IN`` lists (:data:`SHORT_RUN`)."""
+    run instead of one index probe per key. Extents holding short runs are left to ``IN``
+    lists (:data:`SHORT_RUN`)."""
     located: Located = {}
     done = 0
     values: dict[str, Any] = {"namespace_id": namespace_id}
