@@ -129,6 +129,7 @@ def test_scanned_plans_find_what_in_lists_find_in_scattered_extents(
     an extent midway must give the plan that one IN-list probe per key gives, and the load must
     give back the stored bytes."""
     monkeypatch.setattr(plan_module, "SHORT_RUN", short_run)
+    monkeypatch.setattr(plan_module, "CHUNK", 2)  # 3 extents: their rows in two statements
     kv.create_tenant("acme")
     ns = kv.namespace("acme", model="m", layout=MLA)
     tokens = random_tokens(12 * 64)

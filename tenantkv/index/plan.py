@@ -285,32 +285,31 @@ def locate_blocks(
     if not blocks:
         return {}, extents
     extent_ids = list({extent_id for extent_id, _slot in blocks.values()})
-    for (
-        extent_id,
-        key_version,
-        suite,
-        salt,
-        num_blocks,
-        num_layers,
-        segment_bytes,
-        wrapped_key,
-    ) in _run(
-        connection,
-        "extents",
-        extent_ids,
-        {"tenant_id": tenant_id, "namespace_id": namespace_id, "now": now},
-    ):
-        # Driver values: some drivers return binary columns as memoryview, not bytes.
-        extents[extent_id] = ExtentRow(
+    values = {"tenant_id": tenant_id, "namespace_id": namespace_id, "now": now}
+    # In IN lists of at most CHUNK too: a long prefix grown a block at a time has an extent per
+    # block, more extents than one statement may bind.
+    for start in range(0, len(extent_ids), CHUNK):
+        for (
             extent_id,
             key_version,
             suite,
-            bytes(salt),
+            salt,
             num_blocks,
             num_layers,
             segment_bytes,
-            None if wrapped_key is None else bytes(wrapped_key),
-        )
+            wrapped_key,
+        ) in _run(connection, "extents", extent_ids[start : start + CHUNK], values):
+            # Driver values: some drivers return binary columns as memoryview, not bytes.
+            extents[extent_id] = ExtentRow(
+                extent_id,
+                key_version,
+                suite,
+                bytes(salt),
+                num_blocks,
+                num_layers,
+                segment_bytes,
+                None if wrapped_key is None else bytes(wrapped_key),
+            )
     located = {key: place for key, place in blocks.items() if place[0] in extents}
     return located, extents
 
