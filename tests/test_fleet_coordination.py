@@ -293,7 +293,9 @@ def test_a_lapsed_lease_no_longer_protects_the_bytes(tmp_path: Path, index: Inde
     """A node that dies mid-load stops renewing its lease; after it lapses, GC removes the
     evicted extent's bytes as an orphan."""
     root = tmp_path / "cache"
-    with tenantkv.open(root, durable=False, lease_seconds=0.5) as kv:
+    # Leases run on the wall clock. The lease must outlive the control's steps (its row written
+    # in the background, the quota change, a GC): 0.5 s lapsed before them on a loaded host.
+    with tenantkv.open(root, durable=False, lease_seconds=3.0) as kv:
         kv.create_tenant("acme", quota_bytes=2**30)
         ns = kv.namespace("acme", model="fleet-model", layout=MLA_SMALL)
         tokens = random_tokens(TOKENS, seed=3)
