@@ -203,13 +203,19 @@ SHORT_RUN = 16
 Located = dict[bytes, tuple[str, int]]
 
 
-def _find_blocks(connection: Connection, namespace_id: bytes, keys: Sequence[bytes]) -> Located:
-    """``block key -> (extent id, slot)`` of the indexed keys among ``keys`` (``IN`` lists)."""
+def _find_blocks(
+    connection: Connection, namespace_id: bytes, keys: Sequence[bytes], *, stop_at_gap: bool
+) -> Located:
+    """``block key -> (extent id, slot)`` of the indexed keys among ``keys``, in ``IN`` lists of
+    :data:`CHUNK`. With ``stop_at_gap`` it stops after the first list that misses a key (as
+    ``blocks.present_keys`` does), since nothing after a gap can extend a prefix."""
     located: Located = {}
     for start in range(0, len(keys), CHUNK):
         chunk = keys[start : start + CHUNK]
-        rows = _run(connection, "blocks", chunk, {"namespace_id": namespace_id})
+        rows = _run(connection, "blocks", chunk, {"namespace_id": namespace_id}).fetchall()
         located.update((bytes(key), (extent_id, slot)) for key, extent_id, slot in rows)
+        if stop_at_gap and len(rows) < len(chunk):
+            break
     return located
 
 
@@ -239,22 +245,7 @@ def _scan_prefix(connection: Connection, namespace_id: bytes, keys: Sequence[byt
         if run == 0:
             break  # keys[done] is not indexed: the prefix ends here
         if run < SHORT_RUN and done < len(keys):
-            located.update(_prefix_by_in_lists(connection, namespace_id, keys[done:]))
-            break
-    return located
-
-
-def _prefix_by_in_lists(
-    connection: Connection, namespace_id: bytes, keys: Sequence[bytes]
-) -> Located:
-    """As :func:`_scan_prefix`, through ``IN`` lists, stopping after the first chunk that has a
-    key missing."""
-    located: Located = {}
-    for start in range(0, len(keys), CHUNK):
-        chunk = keys[start : start + CHUNK]
-        found = _find_blocks(connection, namespace_id, chunk)
-        located.update(found)
-        if len(found) < len(chunk):
+            located.update(_find_blocks(connection, namespace_id, keys[done:], stop_at_gap=True))
             break
     return located
 
@@ -281,7 +272,7 @@ def locate_blocks(
     if prefix:
         blocks = _scan_prefix(connection, namespace_id, keys)
     else:
-        blocks = _find_blocks(connection, namespace_id, keys)
+        blocks = _find_blocks(connection, namespace_id, keys, stop_at_gap=False)
     if not blocks:
         return {}, extents
     extent_ids = list({extent_id for extent_id, _slot in blocks.values()})
