@@ -20,7 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
 from tenantkv.index import plan as plan_module
-from tenantkv.index.plan import _rendered, locate_blocks
+from tenantkv.index.plan import ExtentRow, _rendered, locate_blocks
 from tenantkv.index.schema import Block, DataKey, Extent
 from tenantkv.loader import split_chunks
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
@@ -98,7 +98,9 @@ def test_plans_spanning_query_chunks_and_extents_load_exactly(
         ns.load(tokens[: 6 * 64] + random_tokens(64, seed=5))
 
 
-def _locate(kv: TenantKV, ns: tenantkv.Namespace, keys: list[bytes], *, prefix: bool) -> Any:
+def _locate(
+    kv: TenantKV, ns: tenantkv.Namespace, keys: list[bytes], *, prefix: bool
+) -> tuple[dict[bytes, tuple[str, int]], dict[str, ExtentRow]]:
     with kv.context.index.read_connection() as connection:
         return locate_blocks(
             connection,
@@ -110,21 +112,12 @@ def _locate(kv: TenantKV, ns: tenantkv.Namespace, keys: list[bytes], *, prefix: 
         )
 
 
-def _run_from_zero(keys: list[bytes], located: dict[bytes, Any]) -> dict[bytes, Any]:
-    run: dict[bytes, Any] = {}
-    for key in keys:
-        if key not in located:
-            break
-        run[key] = located[key]
-    return run
-
-
 @pytest.mark.parametrize("short_run", [1, 4, 100])
 def test_scanned_plans_find_what_in_lists_find_in_scattered_extents(
     kv: TenantKV, monkeypatch: pytest.MonkeyPatch, short_run: int
 ) -> None:
-    """A plan scans each run of a prefix in its extent and takes a row only when it holds the
-    next key at the next slot. Extents whose slots hold scattered positions (blocks stored
+    """A plan scans each run of a prefix in its extent and takes a row only while it holds the
+    next key. Extents whose slots hold scattered positions (blocks stored
     around others already cached), slots left empty by removed blocks and prefixes that leave
     an extent midway must give the plan that one IN-list probe per key gives, and the load must
     give back the stored bytes."""
@@ -149,12 +142,13 @@ def test_scanned_plans_find_what_in_lists_find_in_scattered_extents(
     for wanted in (keys, keys[:6], keys[4:], keys[5:], diverging):
         scanned, scanned_extents = _locate(kv, ns, wanted, prefix=True)
         probed, probed_extents = _locate(kv, ns, wanted, prefix=False)
-        run = _run_from_zero(wanted, probed)
-        assert _run_from_zero(wanted, scanned) == run
+        run = ns._run_from_zero(wanted, probed)
+        assert ns._run_from_zero(wanted, scanned) == run
+        assert all(scanned[key] == probed[key] for key in wanted[:run])
         assert set(scanned) <= set(probed)
-        assert {place[0] for place in run.values()} <= set(scanned_extents)
+        assert {probed[key][0] for key in wanted[:run]} <= set(scanned_extents)
         assert scanned_extents.items() <= probed_extents.items()
-    assert len(_run_from_zero(diverging, _locate(kv, ns, diverging, prefix=True)[0])) == 7
+    assert ns._run_from_zero(diverging, _locate(kv, ns, diverging, prefix=True)[0]) == 7
     for got, want in zip(load_all(ns, tokens), layers, strict=True):
         assert layers_equal(got, want)
 
@@ -169,15 +163,7 @@ def test_plan_query_finds_exactly_the_indexed_keys_of_any_count(kv: TenantKV, wa
     ns.store(tokens, random_layers(MLA, len(tokens)))
     keys = ns._keys(tokens)
     absent = ns._keys(random_tokens(2 * 64, seed=99))
-    identity = ns.identity
-    with kv.context.index.read_connection() as connection:
-        located, extents = locate_blocks(
-            connection,
-            tenant_id=identity.tenant_id,
-            namespace_id=identity.namespace_id,
-            keys=[*keys[:wanted], *absent],
-            now=kv.context.clock(),
-        )
+    located, extents = _locate(kv, ns, [*keys[:wanted], *absent], prefix=False)
     assert set(located) == set(keys[:wanted])
     assert [located[key][1] for key in keys[:wanted]] == list(range(wanted))
     assert len(extents) == 1 and next(iter(extents.values())).wrapped_key is not None
@@ -211,18 +197,9 @@ def test_an_extent_removed_between_the_plan_statements_is_never_half_planned(
     in an extent the plan has no row for."""
     ns, tokens = _stored(kv, blocks=2)
     keys = ns._keys(tokens)
-    identity = ns.identity
 
-    def plan() -> tuple[dict[bytes, tuple[str, int]], dict[str, Any]]:
-        with kv.context.index.read_connection() as connection:
-            return locate_blocks(
-                connection,
-                tenant_id=identity.tenant_id,
-                namespace_id=identity.namespace_id,
-                keys=keys,
-                now=kv.context.clock(),
-                prefix=prefix,
-            )
+    def plan() -> tuple[dict[bytes, tuple[str, int]], dict[str, ExtentRow]]:
+        return _locate(kv, ns, keys, prefix=prefix)
 
     located, extents = plan()  # positive control: every block, in its one extent
     assert set(located) == set(keys) and len(extents) == 1
