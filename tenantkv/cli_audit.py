@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import getpass
 import os
 import sys
@@ -67,12 +68,26 @@ def audit_log_of(kv: TenantKV) -> AuditLog:
 
 @contextlib.contextmanager
 def _output(path: str | None) -> Iterator[IO[str]]:
-    """stdout, or a private temp file renamed onto ``path`` only once it is complete."""
+    """stdout; a private temp file renamed onto ``path`` only once it is complete, when
+    ``path`` is a regular file or does not exist yet (through a symbolic link: onto the file
+    it names, so the link stays); or else ``path`` itself, written in place.
+
+    Renaming onto a device, a FIFO or a socket would replace it with a regular file: run as
+    root, ``--output /dev/null`` used to leave a 0600 file where ``/dev/null`` was, and every
+    other program on the machine that opened it failed from then on.
+    """
     if path is None or path == "-":
         yield sys.stdout
         sys.stdout.flush()
         return
     target = Path(path)
+    if target.exists() and not target.is_file():  # is_file() follows symbolic links
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "the output is a directory", path)
+        with open(target, "w", encoding="utf-8", newline="\n") as handle:
+            yield handle
+        return
+    target = target.resolve() if target.is_symlink() else target
     fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:

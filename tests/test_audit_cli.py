@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -163,7 +166,8 @@ def test_an_export_is_recorded_on_the_tenants_chain_or_for_no_tenant_on_the_syst
     with tenantkv.open(root, durable=False) as kv:
         kv.create_tenant("initech")
     for name in ("initech", "acme"):
-        assert run(["audit", "export", str(root), "--tenant", name, "--output", "/dev/null"]) == 0
+        out = tmp_path / f"{name}.jsonl"
+        assert run(["audit", "export", str(root), "--tenant", name, "--output", str(out)]) == 0
     whole = tmp_path / "all.jsonl"
     assert run(["audit", "export", str(root), "--output", str(whole)]) == 0
     records = [json.loads(line) for line in whole.read_text().splitlines()]
@@ -176,3 +180,56 @@ def test_an_export_is_recorded_on_the_tenants_chain_or_for_no_tenant_on_the_syst
     assert exports["acme"] == "system"
     chains = {r["chain"] for r in records if "chain" in r}
     assert chains == {"system", "tenant:acme", "tenant:globex", exports["initech"]}
+
+
+def _verifies(root: Path, export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """``audit verify``'s report on ``export`` (which must verify) against the cache's key."""
+    capsys.readouterr()
+    assert run(["audit", "public-key", str(root)]) == 0
+    key = tmp_path / "audit.pem"
+    key.write_text(capsys.readouterr().out)
+    assert run(["audit", "verify", str(export), "--public-key", str(key)]) == 0
+    return capsys.readouterr().out
+
+
+def test_an_export_into_a_fifo_writes_through_it_and_leaves_it_a_fifo(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--output`` naming something other than a regular file (a FIFO here; ``/dev/null`` or
+    ``/dev/stdout`` alike) is written in place: renaming a finished temp file onto it would put
+    a regular file where the device or pipe was (as root, ``/dev/null`` itself)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[str] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    assert run(["audit", "export", str(root), "--tenant", "acme", "--output", str(fifo)]) == 0
+    reader.join(timeout=60)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert not list(tmp_path.glob(".pipe.*"))  # no temp file beside it
+    export = tmp_path / "received.jsonl"
+    export.write_text(received[0])
+    assert "tenant:acme seq 1..2" in _verifies(root, export, tmp_path, capsys)
+
+
+def test_an_export_through_a_symlink_replaces_the_file_it_names_and_keeps_the_link(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A regular file is still replaced atomically, through a link too: the link stays."""
+    real = tmp_path / "exports" / "audit.jsonl"
+    real.parent.mkdir()
+    real.write_text("stale\n")
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(real)
+    assert run(["audit", "export", str(root), "--tenant", "acme", "--output", str(link)]) == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert "stale" not in real.read_text()
+    assert "tenant:acme seq 1..2" in _verifies(root, real, tmp_path, capsys)
+
+
+def test_an_export_onto_a_directory_is_an_error(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(["audit", "export", str(root), "--output", str(tmp_path)]) == 2
+    assert "directory" in capsys.readouterr().err
+    assert tmp_path.is_dir()
