@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,13 @@ import torch
 _Buffer = np.ndarray[Any, np.dtype[np.uint8]]
 
 _local = threading.local()
+
+#: How long after a load ended the layers it filled at once still count as the pool's working
+#: set (seconds): loads of several lengths taking turns keep each length's layers.
+RECENT_LOADS_S = 60.0
+#: The most layer sizes the working set remembers (the most recent), so that a trim stays cheap
+#: whatever the mix of prompt lengths.
+RECENT_SIZES = 64
 
 
 def thread_buffer(size: int) -> memoryview:
@@ -51,12 +60,19 @@ class RecyclingPool:
 
     A caller that keeps whole prefixes (a model's cache) and lets them go between requests gets
     the same memory back for the next request, however large. What no load reuses is released
-    when a load ends (:meth:`trim`): idle buffers beyond ``max_bytes`` -- or beyond the few
-    layers that load fills at once, if more -- go, oldest first.
+    when a load ends (:meth:`trim`): idle buffers beyond ``max_bytes`` -- or beyond the working
+    set of recent loads, if more -- go, oldest first. The working set is the few layers each
+    load fills at once, per layer size, for the sizes loaded in the last
+    :data:`RECENT_LOADS_S` seconds (at most twice the largest of them): a short load between
+    two long ones must not release the long ones' layers, which the next long load would fault
+    in again (a 128K-token layer is 151 MB; docs/perf.md).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
+        self._clock = clock
+        # Per layer size of a recent load: the bytes that load fills at once, and when it ended.
+        self._recent: dict[int, tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._idle: list[_Buffer] = []  # oldest first
         self._lent_bytes = 0  # of buffers lent and not yet back in ``_idle``
@@ -101,12 +117,23 @@ class RecyclingPool:
                     break
         return self._idle.pop(best) if best >= 0 else None
 
-    def trim(self, keep: int = 0) -> None:
-        """Release idle buffers, oldest first, until those left idle fit ``max_bytes``, or
-        ``keep`` bytes if more (called when a load ends)."""
+    def trim(self, keep: int = 0, layer_bytes: int = 0) -> None:
+        """Release idle buffers, oldest first, until those left idle fit ``max_bytes``, or the
+        working set if more (called when a load ends): ``keep`` bytes, the layers that load
+        fills at once, for its ``layer_bytes``-long layers, and what recent loads of other
+        layer sizes kept (see the class docstring)."""
         with self._lock:
             self._collect_returned()
-            limit = max(self.max_bytes, keep)
+            now = self._clock()
+            if keep and layer_bytes:
+                self._recent[layer_bytes] = (keep, now)
+            recent = sorted(self._recent.items(), key=lambda item: item[1][1])[-RECENT_SIZES:]
+            self._recent = {
+                size: (kept, at) for size, (kept, at) in recent if now - at <= RECENT_LOADS_S
+            }
+            kept_recently = [kept for kept, _ in self._recent.values()]
+            working_set = min(sum(kept_recently), 2 * max(kept_recently, default=0))
+            limit = max(self.max_bytes, keep, working_set)
             idle = sum(len(buffer) for buffer in self._idle)
             while idle > limit:
                 idle -= len(self._idle.pop(0))

@@ -184,10 +184,11 @@ class LoadTarget:
     def finish(self, layers_in_flight: int) -> None:
         """The load is over: let the layer pool release what no load reuses, keeping at least
         the ``layers_in_flight`` fresh layers a load like this one fills at once (so the next
-        one faults in no new pages, however long its layers)."""
+        one faults in no new pages, however long its layers, even after loads of other
+        lengths in between)."""
         if self._host_pool is not None and self.out is None:
             layer_bytes = self.num_blocks * self.block_tokens * self.layout.token_bytes
-            self._host_pool.trim(keep=layers_in_flight * layer_bytes)
+            self._host_pool.trim(keep=layers_in_flight * layer_bytes, layer_bytes=layer_bytes)
 
     def place(self, output: LayerOutput, first_position: int, plain: torch.Tensor) -> None:
         """Copy a staged chunk (``[count * 64, token_bytes]`` uint8) to its destination rows.

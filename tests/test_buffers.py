@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from tenantkv.buffers import RecyclingPool
+from tenantkv.buffers import RECENT_LOADS_S, RecyclingPool
 
 
 def _address(view: memoryview) -> int:
@@ -94,3 +94,50 @@ def test_trim_keeps_what_the_caller_asks_for_beyond_the_budget() -> None:
     assert pool.idle_bytes == 3 * 4096
     pool.trim()
     assert pool.idle_bytes == 4096
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _load(pool: RecyclingPool, layer_bytes: int, in_flight: int) -> set[int]:
+    """One load's fresh layers, all dropped by its caller, then its trim; their addresses."""
+    layers = [pool.buffer(layer_bytes) for _ in range(in_flight)]
+    addresses = {_address(layer) for layer in layers}
+    del layers
+    gc.collect()
+    pool.trim(keep=in_flight * layer_bytes, layer_bytes=layer_bytes)
+    return addresses
+
+
+def test_a_short_load_between_long_ones_keeps_the_long_layers_until_they_are_not_recent() -> None:
+    clock = _Clock()
+    pool = RecyclingPool(max_bytes=4096, clock=clock)
+    long_layers = _load(pool, 64 * 1024, 4)
+    assert pool.idle_bytes == 4 * 64 * 1024  # positive control: the load's own layers stay
+    short_layers = _load(pool, 4096, 4)
+    # The short load's trim kept the long layers: the next long load reuses every one of them.
+    assert pool.idle_bytes == 4 * 64 * 1024 + 4 * 4096
+    clock.now += 1.0
+    assert _load(pool, 64 * 1024, 4) == long_layers
+    assert _load(pool, 4096, 4) == short_layers
+    # Once no long load ended for RECENT_LOADS_S, a short load's trim lets the long layers go.
+    clock.now += RECENT_LOADS_S + 1.0
+    _load(pool, 4096, 4)
+    assert pool.idle_bytes == 4 * 4096
+
+
+def test_the_working_set_of_many_recent_lengths_is_at_most_twice_the_largest() -> None:
+    clock = _Clock()
+    pool = RecyclingPool(max_bytes=0, clock=clock)
+    largest = 4 * 12 * 1024
+    # Twelve lengths, shortest first (a longer load cannot reuse a shorter one's layers), each
+    # load keeping four layers of its own: 312 KiB in all, were the working set not bounded.
+    for kib in range(1, 13):
+        _load(pool, kib * 1024, 4)
+    assert pool.idle_bytes <= 2 * largest
+    assert pool.idle_bytes >= largest  # the most recent lengths' layers are kept
