@@ -235,12 +235,15 @@ def _scan_prefix(connection: Connection, namespace_id: bytes, keys: Sequence[byt
     while done < len(keys):
         values["span"] = len(keys) - done
         rows = _run(connection, "run_in_extent", keys[done : done + 1], values).fetchall()
-        run = 0
-        for key, extent_id, slot in rows:
-            if bytes(key) != keys[done + run]:
-                break
-            located[keys[done + run]] = (extent_id, slot)
-            run += 1
+        # The rows, in slot order, hold the run's keys: compared as whole lists (in C), and
+        # row by row only to find where a run ends (0.4 ms less at 2,048 blocks; docs/perf.md).
+        expected = list(keys[done : done + len(rows)])
+        found = [row[0] for row in rows]
+        run = len(rows)
+        if found != expected:
+            pairs = zip(found, expected, strict=False)  # the span bounds the rows: never longer
+            run = next((i for i, (got, want) in enumerate(pairs) if got != want), len(expected))
+        located.update(zip(expected[:run], [(row[1], row[2]) for row in rows[:run]], strict=True))
         done += run
         if run == 0:
             break  # keys[done] is not indexed: the prefix ends here
