@@ -18,6 +18,8 @@ so none runs on SQLite alone by omission.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -97,6 +99,20 @@ def index(request: pytest.FixtureRequest) -> Iterator[Index]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         _patch_default_url(monkeypatch, lambda root: selected.url(root))
         yield selected
+
+
+@pytest.fixture(autouse=True)
+def _dev_null_stays_a_device() -> Iterator[None]:
+    """Fail the test after which ``/dev/null`` is no longer the null device. The suite runs as
+    root on the development machines and in CI: a test that once renamed a file onto
+    ``/dev/null`` left every other program there unable to open it, and services' helpers that
+    then spun made the rest of the run (and CI) ten times slower."""
+    yield
+    mode = os.stat("/dev/null").st_mode
+    assert stat.S_ISCHR(mode), (
+        "this test replaced /dev/null with a regular file; restore it as root with "
+        "`rm /dev/null && mknod -m 666 /dev/null c 1 3`"
+    )
 
 
 @pytest.fixture(autouse=True)
