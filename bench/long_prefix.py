@@ -24,8 +24,11 @@ wrapping), so a misplaced row or layer shows.
 Targets (issue "Performance"): long-prefix load and store GB/s >= 0.8x the short prefix's, and
 the long prefix's TTFL <= 1.5x one layer's share of its load time.
 
+Each length has a cache of its own; with ``--one-cache`` both lie in one cache, whose layer pool
+then serves loads of both lengths in turn (as a server's does).
+
 Run:  .venv/bin/python bench/long_prefix.py [--short 8192] [--long 131072] [--step 16384]
-      [--reps 3] [--dir /tmp] [--out bench/results]
+      [--reps 3] [--one-cache] [--dir /tmp] [--out bench/results]
 
 The long prefix needs its size in free disk and, to measure warm loads, in page cache
 (9.2 GB at 128K), plus a step's tensors (1.2 GB at 16K tokens).
@@ -213,10 +216,17 @@ class SizeResult:
 
 
 def prepare(
-    root: Path, result: SizeResult, step: int, reps: int, seed: int, whole: bool
+    root: Path,
+    result: SizeResult,
+    step: int,
+    reps: int,
+    seed: int,
+    whole: bool,
+    opened: tuple[Any, Any] | None = None,
 ) -> tuple[Any, Any, list[int], Data]:
-    """Store the size's prefix (timed); return the cache, namespace, tokens and data."""
-    kv, ns = open_cache(root)
+    """Store the size's prefix (timed) in the cache at ``root``, or in the cache and
+    namespace ``opened``; return the cache, namespace, tokens and data."""
+    kv, ns = opened if opened is not None else open_cache(root)
     data = Data(min(step, result.tokens), seed)
     tokens = prefix_tokens(seed, result.tokens)
     store_step = result.tokens if whole else step
@@ -329,6 +339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long", type=int, default=131_072)
     parser.add_argument("--step", type=int, default=16_384)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--one-cache",
+        action="store_true",
+        help="both prefixes in one cache (one layer pool, as a server loading prompts of "
+        "several lengths has), instead of a cache per length",
+    )
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
@@ -347,16 +363,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for index, result in enumerate(results):
             print(f"[{result.label}] storing {result.nbytes / GB:.2f} GB ...", flush=True)
+            root = workdir / ("cache" if args.one_cache else result.label)
+            opened = (caches[0][1], caches[0][2]) if args.one_cache and caches else None
             caches.append(
                 (
-                    workdir / result.label,
+                    root,
                     *prepare(
-                        workdir / result.label,
+                        root,
                         result,
                         args.step,
                         args.reps,
                         7 + index,
                         whole=index == 0,
+                        opened=opened,
                     ),
                 )
             )
@@ -366,8 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 first, total = timed_load(ns, tokens)
                 result.ttfl.append(first)
                 result.total.append(total)
-        for result, (root, kv, _, _, _) in zip(results, caches, strict=True):
-            kv.close()
+        for _, kv, _, _, _ in caches:
+            kv.close()  # once per cache: closing a closed cache does nothing
+        for result, (root, _, _, _, _) in zip(results, caches, strict=True):
             result.rss = measure_rss(root, 7 + results.index(result), result.tokens)
         verdict = report(results, args.step)
         out = Path(args.out)
