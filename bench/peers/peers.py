@@ -63,6 +63,11 @@ TENANTS = 16
 #: tokens), where it does not crowd the page cache the other systems load from.
 CEILING_MAX_BYTES = 2**30
 
+#: The share of available memory that every system's files may take and still be timed side by
+#: side; beyond it the systems run in groups (the rest of memory holds the prefix, the
+#: destinations, LMCache's pool and what the systems allocate while they load).
+PAGE_CACHE_SHARE = 0.5
+
 
 # --------------------------------------------------------------------------- #
 # One prefix size
@@ -75,6 +80,9 @@ class SizeRun:
     systems: list[S.System]
     order: list[list[str]] = field(default_factory=list)  # per round, the order systems ran
     mem_available_gib: float = 0.0
+    # The systems timed together, when their files did not fit the page cache at once (groups,
+    # each warm in turn); one list of every system otherwise.
+    groups: list[list[str]] = field(default_factory=list)
 
 
 def key(system: S.System) -> str:
@@ -112,9 +120,16 @@ def mem_available_gib() -> float:
 
 
 def run_size(
-    tenantkv: Any, tokens: int, reps: int, threads: int, workdir: Path, seed: int
+    tenantkv: Any,
+    tokens: int,
+    reps: int,
+    threads: int,
+    workdir: Path,
+    seed: int,
+    page_cache_share: float = PAGE_CACHE_SHARE,
 ) -> SizeRun:
-    """Write every system's files (untimed), check each once, then time ``reps`` rounds."""
+    """Write every system's files (untimed), check each once, then time ``reps`` rounds (in
+    groups when the files exceed ``page_cache_share`` of the available memory)."""
     import lmcache_peer
 
     shape = Shape(layers=LAYERS, tokens=tokens)
@@ -175,20 +190,40 @@ def run_size(
         *S.safetensors_systems(st_dir, shape, bufs, zero),
         S.torch_save_system(torch_path),
     ]
+    # What each system reads, for page-cache planning: its files (or directories of files).
+    files: dict[int, list[Path]] = {}
+    for system in systems:
+        files[id(system)] = {
+            "raw": [st_dir],
+            "safetensors": [st_dir],
+            "encrypted-limit": [enc_path],
+            "decrypt-ceiling": [enc_path],
+            "lmcache": [workdir / "lmcache"],
+            "torch": [torch_path],
+        }[system.group]
     for cache in caches:
-        systems += cache.systems(bufs, zero)
+        for system in cache.systems(bufs, zero):
+            systems.append(system)
+            files[id(system)] = [cache.root]
     run = SizeRun(shape, systems, mem_available_gib=mem_available_gib())
+    groups = split_for_page_cache(systems, files, run.mem_available_gib, page_cache_share)
+    run.groups = [[key(s) for s in group] for group in groups]
     try:
-        print(f"{label} warm-up: one checked load of each of {len(systems)} systems", flush=True)
-        for system in systems:
-            one_load(system, want, timed=False)
         check_the_check(systems[0], want)
-        print(f"{label} timing {reps} rounds (forward, backward, ...) ...", flush=True)
-        for r in range(reps):
-            order = systems if r % 2 == 0 else systems[::-1]
-            run.order.append([key(s) for s in order])
-            for system in order:
-                one_load(system, want, timed=True)
+        for number, group in enumerate(groups):
+            if len(groups) > 1:
+                others = {p for s in systems if s not in group for p in files[id(s)]}
+                evict(others - {p for s in group for p in files[id(s)]})
+                print(f"{label} group {number + 1} of {len(groups)}: {len(group)} systems")
+            print(f"{label} warm-up: one checked load of each of {len(group)} systems", flush=True)
+            for system in group:
+                one_load(system, want, timed=False)
+            print(f"{label} timing {reps} rounds (forward, backward, ...) ...", flush=True)
+            for r in range(reps):
+                order = group if r % 2 == 0 else group[::-1]
+                run.order.append([key(s) for s in order])
+                for system in order:
+                    one_load(system, want, timed=True)
     finally:
         pool.close()
         if solo is not None:
@@ -199,6 +234,46 @@ def run_size(
         for fd in (*fds, enc_fd):
             os.close(fd)
     return run
+
+
+def _bytes_under(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def split_for_page_cache(
+    systems: list[S.System],
+    files: dict[int, list[Path]],
+    available_gib: float,
+    share: float = PAGE_CACHE_SHARE,
+) -> list[list[S.System]]:
+    """Every system in one group when all their files fit ``share`` of the memory available;
+    else three groups, each timed warm in turn: the raw reads and safetensors (their layer
+    files) with the encrypted limit and ceiling; tenantkv; torch.save (whose loads allocate a
+    whole prefix). LMCache, the baseline of every ratio, is timed in each."""
+    paths = {p for s in systems for p in files[id(s)]}
+    if sum(_bytes_under(p) for p in paths) <= share * available_gib * 2**30:
+        return [systems]
+    kinds = (
+        {"raw", "safetensors", "encrypted-limit", "decrypt-ceiling"},
+        {"tenantkv"},
+        {"torch"},
+    )
+    groups = [[s for s in systems if s.group in kind or s.group == "lmcache"] for kind in kinds]
+    assert {id(s) for group in groups for s in group} == {id(s) for s in systems}
+    return groups
+
+
+def evict(paths: set[Path]) -> None:
+    """Drop ``paths``' pages (files, or every file under a directory) from the page cache."""
+    for path in paths:
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def check_the_check(system: S.System, want: Sequence[torch.Tensor]) -> None:
@@ -511,14 +586,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--benchmarks", default=None, help="default: BENCHMARKS.md at the root")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 rep: seconds")
     ap.add_argument(
+        "--page-cache-share",
+        type=float,
+        default=PAGE_CACHE_SHARE,
+        help="time the systems in groups when their files exceed this share of the "
+        "available memory (0: always in groups)",
+    )
+    ap.add_argument(
         "--replot",
         metavar="PEERS_JSON",
         help="only redraw loads.png (into --out) from a run's peers.json, measuring nothing",
     )
     args = ap.parse_args(argv)
     args.scratch_out = None
+    args.smoke_groups = False
     if args.smoke:
-        args.tokens, args.reps = "512", 1
+        # Two sizes, the second in groups: both ways of timing run on every test run.
+        args.tokens, args.reps = "256,512", 1
+        args.smoke_groups = True
         args.lookup_tokens, args.lookup_reps = 2048, 2
         args.tenant_tokens, args.tenant_window, args.tenant_reps = 256, 0.3, 1
         if args.out is None:  # never over the committed outputs; removed after the run
@@ -556,10 +641,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(info, indent=2), flush=True)
 
     runs: list[SizeRun] = []
-    for tokens in sizes:
+    for number, tokens in enumerate(sizes):
         workdir = Path(tempfile.mkdtemp(prefix=f"peers-{tokens}-", dir=base))
+        share = 0.0 if args.smoke_groups and number > 0 else args.page_cache_share
         try:
-            runs.append(run_size(tenantkv, tokens, args.reps, args.threads, workdir, args.seed))
+            runs.append(
+                run_size(tenantkv, tokens, args.reps, args.threads, workdir, args.seed, share)
+            )
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             S.collect()

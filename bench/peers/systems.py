@@ -454,6 +454,7 @@ class TenantkvPrefix:
         want: Sequence[torch.Tensor],
     ) -> None:
         self.suite = suite
+        self.root = root
         self.kv = tenantkv.open(root, suite=suite)
         self.kv.create_tenant("peers", quota_bytes=4 * shape.total_ct_bytes + 2**30)
         self.ns = self.kv.namespace(
