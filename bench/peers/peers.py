@@ -13,7 +13,9 @@ against the original; then ``--reps`` rounds, each timing one load of every syst
 alternates: forward, then backward, so drifting machine load hits all alike and every system
 sits in the middle on average; a backward round starts with the files the forward round used
 last, which the page cache still holds when memory is short), and after each timed load,
-untimed, every loaded byte is compared with the original.
+untimed, every loaded byte is compared with the original. Where every system's files exceed
+``--page-cache-share`` of the memory available (32K tokens on a 24 GiB machine), the systems are
+warmed and timed in groups, one after another, LMCache in each (:func:`split_for_page_cache`).
 
 Then: a 128K-token lookup (2,048 blocks, all hits) in tenantkv against a vLLM-style sha256 chain
 and LMCache's token database; and 16 tenants of one TenantKV loading at once for a fixed window.
