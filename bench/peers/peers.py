@@ -85,6 +85,7 @@ class SizeRun:
     # The systems timed together, when their files did not fit the page cache at once (groups,
     # each warm in turn); one list of every system otherwise.
     groups: list[list[str]] = field(default_factory=list)
+    page_cache_share: float = PAGE_CACHE_SHARE  # the threshold of that split
 
 
 def key(system: S.System) -> str:
@@ -207,7 +208,9 @@ def run_size(
         for system in cache.systems(bufs, zero):
             systems.append(system)
             files[id(system)] = [cache.root]
-    run = SizeRun(shape, systems, mem_available_gib=mem_available_gib())
+    run = SizeRun(
+        shape, systems, mem_available_gib=mem_available_gib(), page_cache_share=page_cache_share
+    )
     groups = split_for_page_cache(systems, files, run.mem_available_gib, page_cache_share)
     run.groups = [[key(s) for s in group] for group in groups]
     try:
@@ -216,7 +219,9 @@ def run_size(
             if len(groups) > 1:
                 others = {p for s in systems if s not in group for p in files[id(s)]}
                 evict(others - {p for s in group for p in files[id(s)]})
-                print(f"{label} group {number + 1} of {len(groups)}: {len(group)} systems")
+                print(
+                    f"{label} group {number + 1} of {len(groups)}: {len(group)} systems", flush=True
+                )
             print(f"{label} warm-up: one checked load of each of {len(group)} systems", flush=True)
             for system in group:
                 one_load(system, want, timed=False)
@@ -238,10 +243,9 @@ def run_size(
     return run
 
 
-def _bytes_under(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def _files_under(path: Path) -> list[Path]:
+    """``path`` itself if it is a file, else every file under the directory."""
+    return [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
 
 
 def split_for_page_cache(
@@ -255,7 +259,10 @@ def split_for_page_cache(
     files) with the encrypted limit and ceiling; tenantkv; torch.save (whose loads allocate a
     whole prefix). LMCache, the baseline of every ratio, is timed in each."""
     paths = {p for s in systems for p in files[id(s)]}
-    if sum(_bytes_under(p) for p in paths) <= share * available_gib * 2**30:
+    if (
+        sum(f.stat().st_size for p in paths for f in _files_under(p))
+        <= share * available_gib * 2**30
+    ):
         return [systems]
     kinds = (
         {"raw", "safetensors", "encrypted-limit", "decrypt-ceiling"},
@@ -269,13 +276,12 @@ def split_for_page_cache(
 
 def evict(paths: set[Path]) -> None:
     """Drop ``paths``' pages (files, or every file under a directory) from the page cache."""
-    for path in paths:
-        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    for file in (f for p in paths for f in _files_under(p)):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def check_the_check(system: S.System, want: Sequence[torch.Tensor]) -> None:

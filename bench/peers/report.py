@@ -467,7 +467,8 @@ def build(
                 f"Group {n + 1}: {', '.join(names)}." for n, names in enumerate(run.groups)
             )
             md += [
-                "Every system's files together exceed half of that, so the systems ran in"
+                f"Every system's files together exceed {run.page_cache_share:g} of that"
+                " (`--page-cache-share`), so the systems ran in"
                 f" {len(run.groups)} groups, each warmed by one checked load of each of its systems"
                 " after the other groups' files were dropped from the page cache"
                 " (`POSIX_FADV_DONTNEED`), then timed for the rounds; LMCache, the baseline, in"
