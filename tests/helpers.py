@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: small layouts, random KV and tokens, comparisons."""
+"""Helpers shared by the tests: small layouts, random KV and tokens, comparisons, a clock."""
 
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ def prefix_of(layer: tenantkv.Layer, num_tokens: int) -> tenantkv.Layer:
     if isinstance(layer, torch.Tensor):
         return layer[:num_tokens]
     return layer[0][:num_tokens], layer[1][:num_tokens]
+
+
+class ManualClock:
+    """A clock the test moves by hand (``clock.now += seconds``), for code that takes one."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

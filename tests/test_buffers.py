@@ -8,6 +8,7 @@ import gc
 import torch
 
 from tenantkv.buffers import RECENT_LOADS_S, RecyclingPool
+from tests.helpers import ManualClock
 
 
 def _address(view: memoryview) -> int:
@@ -96,14 +97,6 @@ def test_trim_keeps_what_the_caller_asks_for_beyond_the_budget() -> None:
     assert pool.idle_bytes == 4096
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _load(pool: RecyclingPool, layer_bytes: int, in_flight: int) -> set[int]:
     """One load's fresh layers, all dropped by its caller, then its trim; their addresses."""
     layers = [pool.buffer(layer_bytes) for _ in range(in_flight)]
@@ -115,7 +108,7 @@ def _load(pool: RecyclingPool, layer_bytes: int, in_flight: int) -> set[int]:
 
 
 def test_a_short_load_between_long_ones_keeps_the_long_layers_until_they_are_not_recent() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     pool = RecyclingPool(max_bytes=4096, clock=clock)
     long_layers = _load(pool, 64 * 1024, 4)
     assert pool.idle_bytes == 4 * 64 * 1024  # positive control: the load's own layers stay
@@ -132,7 +125,7 @@ def test_a_short_load_between_long_ones_keeps_the_long_layers_until_they_are_not
 
 
 def test_the_working_set_of_many_recent_lengths_is_at_most_twice_the_largest() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     pool = RecyclingPool(max_bytes=0, clock=clock)
     largest = 4 * 12 * 1024
     # Twelve lengths, shortest first (a longer load cannot reuse a shorter one's layers), each

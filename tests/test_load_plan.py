@@ -23,17 +23,16 @@ from tenantkv.index import plan as plan_module
 from tenantkv.index.plan import ExtentRow, _rendered, locate_blocks
 from tenantkv.index.schema import Block, DataKey, Extent
 from tenantkv.loader import split_chunks
-from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
+from tests.helpers import (
+    ManualClock,
+    layers_equal,
+    load_all,
+    prefix_of,
+    random_layers,
+    random_tokens,
+)
 
 MLA = KVLayout.mla(3, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _stored(kv: TenantKV, blocks: int = 2) -> tuple[tenantkv.Namespace, list[int]]:
@@ -63,7 +62,7 @@ def test_an_extent_of_another_geometry_is_a_miss(kv: TenantKV) -> None:
 
 @pytest.mark.usefixtures("index")
 def test_an_expired_extent_is_a_miss_before_gc(tmp_path: Path) -> None:
-    clock = _Clock()
+    clock = ManualClock()
     with tenantkv.open(tmp_path / "cache", durable=False, clock=clock) as kv:
         ns, tokens = _stored(kv)
         clock.now += 365 * 86_400.0
