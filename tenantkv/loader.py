@@ -231,11 +231,14 @@ class LoadStream:
         on_failure: FailureHandler,
         on_close: Callable[[LoadStream], None] | None = None,
         keys_exist: Callable[[], bool] | None = None,
+        on_first_layer: Callable[[], None] | None = None,
     ) -> None:
         """``keys_exist`` is asked before each layer is handed over; once it says no (the
-        tenant was deleted, its key version retired), the load ends with LoadRevokedError."""
+        tenant was deleted, its key version retired), the load ends with LoadRevokedError.
+        ``on_first_layer`` is called once layer 0 was handed over, or at close without it."""
         self.layout = layout
         self._on_close = on_close
+        self._on_first_layer = on_first_layer
         self._keys_exist = keys_exist
         self.num_layers = layout.num_layers
         self.num_tokens = plan.num_blocks * target.block_tokens
@@ -633,6 +636,7 @@ class LoadStream:
     def _wait(self, index: int, *, release: bool) -> Layer:
         """Wait for layer ``index`` and hand it over; with ``release``, forget it after."""
         broken: ExtentFailure | None = None
+        first_layer = False
         with self._lock:
             if self._failed is not None:
                 raise self._failed
@@ -679,6 +683,7 @@ class LoadStream:
                     self.last_handed_at = time.perf_counter()
                     if index == 0:
                         self.first_layer_at = self.last_handed_at
+                        first_layer = True
                 if release:
                     # Drop our reference so the caller alone decides the layer's lifetime; the
                     # allocator then reuses its memory for the layers that follow.
@@ -688,6 +693,8 @@ class LoadStream:
                     self._start_workers()
         if broken is not None:
             raise self._fail(broken)
+        if first_layer:
+            self._first_layer_handed()
         assert output is not None, "a complete layer has its destination"
         if event is not None:
             current = torch.cuda.current_stream(self.device)
@@ -818,12 +825,19 @@ class LoadStream:
         # Layers a load fills at once: the window ahead of the caller, the one being filled, and
         # the one the caller holds.
         self._target.finish(layers_in_flight=self._window + 2)
+        self._first_layer_handed()  # if it never was
         if self._on_close is not None:
             self._on_close(self)
         for reader in self._readers.values():
             with contextlib.suppress(StorageError, OSError):
                 reader.close()
         self._readers.clear()
+
+    def _first_layer_handed(self) -> None:
+        """Tell ``on_first_layer``, once."""
+        notify, self._on_first_layer = self._on_first_layer, None
+        if notify is not None:
+            notify()
 
     @property
     def closed(self) -> bool:

@@ -2,14 +2,16 @@
 
 Built once by ``tenantkv.open`` and shared by every service. Stores seal on their own pool and
 loads read on theirs, so a large store never delays a load's first layer; bookkeeping after a
-load runs on the load pool in the background. Closing stops everything in order: open streams
-first (their chunks must finish before the pools go away), then the pools.
+load runs on a bookkeeping thread of its own, once no load is before its first layer
+(``first_layers.py``). Closing stops everything in order: open streams first (their chunks must
+finish before the pools go away), then the pools.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from .buffers import RecyclingPool
 from .config import CacheConfig
 from .errors import CacheClosedError
+from .first_layers import FirstLayerGate
 from .loader import LoadStream
 from .staging import RingStats, StagingRing
+
+#: Bookkeeping starts no sooner than this after it was handed over: a load that follows the one
+#: that handed it over has taken its hold on the first-layer gate by then.
+BOOKKEEPING_DELAY_S = 0.02
+#: ... and waits for loads before their first layer at most this long after it was handed over.
+BOOKKEEPING_HOLD_S = 0.5
 
 
 class Runtime:
@@ -34,6 +43,11 @@ class Runtime:
         self.load_executor = ThreadPoolExecutor(
             self.load_threads, thread_name_prefix="tenantkv-load"
         )
+        # One thread: bookkeeping that waits for a first layer never holds a load's worker.
+        self.bookkeeping_executor = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-books")
+        #: Loads before their first layer; bookkeeping waits for them (first_layers.py).
+        self.first_layers = FirstLayerGate()
+        self._closing = threading.Event()
         self._ring_config = (config.staging_bytes, config.staging_slot_bytes)
         self._rings = {False: StagingRing(*self._ring_config)}
         # Host memory for fresh CPU layers, recycled once callers drop them (see buffers.py).
@@ -69,9 +83,22 @@ class Runtime:
         return {("pinned" if pinned else "host"): ring.stats() for pinned, ring in rings.items()}
 
     def submit_background(self, task: Callable[..., object], *args: object) -> None:
-        """Run bookkeeping on the reader pool; dropped (never raised) once the cache closes."""
+        """Run bookkeeping (a load's record of use) on the bookkeeping thread, at least
+        ``BOOKKEEPING_DELAY_S`` later and once no load is before its first layer (waiting at
+        most until ``BOOKKEEPING_HOLD_S`` after now). Once the cache closes, what has not
+        started is dropped (never raised), and what waits runs at once."""
+        submitted = time.monotonic()
         with contextlib.suppress(RuntimeError):
-            self.load_executor.submit(task, *args)
+            self.bookkeeping_executor.submit(self._after_first_layers, submitted, task, args)
+
+    def _after_first_layers(
+        self, submitted: float, task: Callable[..., object], args: tuple[object, ...]
+    ) -> None:
+        if self._closing.wait(max(0.0, submitted + BOOKKEEPING_DELAY_S - time.monotonic())):
+            task(*args)  # closing: the streams are closed, nothing to wait for
+            return
+        self.first_layers.wait_until_clear(submitted + BOOKKEEPING_HOLD_S)
+        task(*args)
 
     def track_stream(self, stream: LoadStream) -> None:
         with self._lock:
@@ -83,8 +110,10 @@ class Runtime:
             if self._closed:
                 return []
             self._closed = True
+            self._closing.set()
             return list(self._streams)
 
     def shutdown(self, *, wait: bool = True) -> None:
         self.load_executor.shutdown(wait=wait, cancel_futures=True)
+        self.bookkeeping_executor.shutdown(wait=wait, cancel_futures=True)
         self.seal_executor.shutdown(wait=wait, cancel_futures=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -36,6 +37,7 @@ from ..errors import (
     TenantNotFoundError,
 )
 from ..extent_format import ExtentGeometry
+from ..first_layers import FirstLayerHold
 from ..health import LOST_EXTENTS
 from ..index import blocks, extents, namespaces, removals
 from ..index.plan import ExtentRow, locate_blocks, record_use
@@ -595,6 +597,26 @@ class Namespace:
         """
         self._ctx.runtime.check_open()
         requested = time.perf_counter()  # the start of the load's latency metrics
+        # From now until the first layer is handed over, bookkeeping (earlier loads' records of
+        # use) waits: it would compete with this load's plan and layer 0 (first_layers.py).
+        first_layer = self._ctx.runtime.first_layers.hold()
+        try:
+            return self._start_load(tokens, device, out, block_rows, origin, requested, first_layer)
+        except BaseException:
+            first_layer.release()
+            raise
+
+    def _start_load(
+        self,
+        tokens: Any,
+        device: str | torch.device,
+        out: Sequence[Any] | None,
+        block_rows: Sequence[int] | None,
+        origin: EditedPrefix | None,
+        requested: float,
+        first_layer: FirstLayerHold,
+    ) -> LoadStream:
+        """:meth:`load` up to its stream: the keys, the target, the plan and lease, the readers."""
         target_device = self._parse_device(device)
         token_array = as_token_array(tokens)
         if len(token_array) == 0 or len(token_array) % self.block_tokens:
@@ -662,12 +684,15 @@ class Namespace:
                 on_close=lambda stream: self._finish_load(
                     stream, lease, extent_ids, started, requested
                 ),
+                on_first_layer=first_layer.release,
             )
         except BaseException:
             self._ctx.leases.release(lease)
             for reader in readers.values():
                 reader.close()
             raise
+        # A stream dropped unclosed lets go of the gate when it is collected.
+        weakref.finalize(stream, first_layer.release)
         self._ctx.runtime.track_stream(stream)
         return stream
 
