@@ -60,10 +60,17 @@ def prefix_of(layer: tenantkv.Layer, num_tokens: int) -> tenantkv.Layer:
 
 
 class ManualClock:
-    """A clock the test moves by hand (``clock.now += seconds``), for code that takes one."""
+    """A clock the test moves by hand, for code that takes one: ``clock.now = t`` sets it
+    (backwards too), ``clock.advance(seconds)`` moves it forward."""
 
     def __init__(self, now: float = 1_000_000.0) -> None:
         self.now = now
 
     def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        """Move forward by ``seconds`` (> 0); return the new time."""
+        assert seconds > 0, "advance() only moves the clock forward"
+        self.now += seconds
         return self.now

@@ -52,20 +52,8 @@ from tenantkv.audit import (
 )
 from tenantkv.crypto import KeyEncryptionKey, SealOpenError
 from tenantkv.index.database import Database
+from tests.helpers import ManualClock
 from tests.indexes import Index
-
-
-class FakeClock:
-    """A clock the test moves by hand (records, checkpoints and purges read it)."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -84,12 +72,12 @@ def kek() -> KeyEncryptionKey:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock(1_700_000_000.0)
 
 
 @pytest.fixture
-def log(kek: KeyEncryptionKey, clock: FakeClock) -> AuditLog:
+def log(kek: KeyEncryptionKey, clock: ManualClock) -> AuditLog:
     return AuditLog(kek, clock=clock)
 
 
@@ -130,7 +118,7 @@ def pem_of(db: Database, log: AuditLog) -> bytes:
 
 
 def test_records_chain_per_tenant_with_the_documented_hash(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     records = []
     for i in range(3):
@@ -251,7 +239,7 @@ def test_several_appends_in_one_transaction_chain_in_order(db: Database, log: Au
 # ---- exports: isolation and SIEM formats -------------------------------------------------------
 
 
-def _populate_two_tenants(db: Database, log: AuditLog, clock: FakeClock) -> None:
+def _populate_two_tenants(db: Database, log: AuditLog, clock: ManualClock) -> None:
     for i in range(4):
         clock.advance(10)
         append(db, log, event_for("acme", actor="acme-admin", target=f"acme-key-{i}"))
@@ -261,7 +249,7 @@ def _populate_two_tenants(db: Database, log: AuditLog, clock: FakeClock) -> None
 
 @pytest.mark.parametrize("fmt", ["jsonl", "cef", "ocsf"])
 def test_a_tenant_export_holds_nothing_of_another_tenant(
-    db: Database, log: AuditLog, clock: FakeClock, fmt: Any
+    db: Database, log: AuditLog, clock: ManualClock, fmt: Any
 ) -> None:
     _populate_two_tenants(db, log, clock)
     acme = list(log.export(db.read, tenant="acme", fmt=fmt))
@@ -277,7 +265,7 @@ def test_a_tenant_export_holds_nothing_of_another_tenant(
 
 
 def test_jsonl_exports_verify_per_tenant_and_system_wide(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     _populate_two_tenants(db, log, clock)
     pem = pem_of(db, log)
@@ -293,7 +281,7 @@ def test_jsonl_exports_verify_per_tenant_and_system_wide(
 
 
 def test_time_ranges_select_a_contiguous_verifiable_run(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     start = clock.now
     for _ in range(6):
@@ -339,7 +327,7 @@ def parse_cef(line: str) -> tuple[list[str], dict[str, str]]:
 
 
 def test_cef_lines_parse_and_carry_the_tenant(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     tricky = "ops|team=a\\b\nsecond line"
     append(db, log, event_for("acme", TENANT_CREATE, actor=tricky, request_id="req-1"))
@@ -362,7 +350,7 @@ def test_cef_lines_parse_and_carry_the_tenant(
 
 
 def test_ocsf_lines_are_api_activity_with_tenant_uid(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     append(db, log, event_for("acme", TENANT_CREATE, request_id="req-7"))
     append(db, log, event_for("acme", KEYS_ROTATE))
@@ -426,7 +414,7 @@ def test_exports_stream_page_by_page(db: Database, log: AuditLog) -> None:
 
 
 def test_checkpoints_sign_the_head_and_ride_along_in_exports(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     for _ in range(3):
         append(db, log, event_for("acme"))
@@ -522,7 +510,7 @@ def test_signing_key_is_stored_wrapped_never_in_clear(
 
 
 def test_a_wrong_master_key_or_swapped_public_key_is_refused(
-    db: Database, log: AuditLog, clock: FakeClock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     pem = pem_of(db, log)
     stranger = AuditLog(KeyEncryptionKey(os.urandom(32)), clock=clock)
@@ -545,7 +533,7 @@ def test_a_wrong_master_key_or_swapped_public_key_is_refused(
 
 
 def test_purge_cuts_only_expired_prefixes_and_exports_still_verify(
-    db: Database, kek: KeyEncryptionKey, clock: FakeClock
+    db: Database, kek: KeyEncryptionKey, clock: ManualClock
 ) -> None:
     log = AuditLog(kek, clock=clock, retention_seconds=100)
     start = clock.now

@@ -32,18 +32,11 @@ from tenantkv.audit import (
 from tenantkv.crypto import KeyEncryptionKey
 from tenantkv.index import migrate
 from tenantkv.index.database import Database
+from tests.helpers import ManualClock
 from tests.indexes import Index
 
 T0 = 1_700_000_000.0
 ACME = chain_for("acme")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -62,8 +55,8 @@ def kek() -> KeyEncryptionKey:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(T0)
 
 
 @pytest.fixture
@@ -72,13 +65,13 @@ def anchors(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def log(kek: KeyEncryptionKey, clock: Clock) -> AuditLog:
+def log(kek: KeyEncryptionKey, clock: ManualClock) -> AuditLog:
     """A log without an anchor file: MACs and purge statements alone."""
     return AuditLog(kek, clock=clock, retention_seconds=100)
 
 
 @pytest.fixture
-def anchored(kek: KeyEncryptionKey, clock: Clock, anchors: Path) -> AuditLog:
+def anchored(kek: KeyEncryptionKey, clock: ManualClock, anchors: Path) -> AuditLog:
     """A log with an anchor file, as the cache builds it."""
     anchors.parent.mkdir()
     return AuditLog(kek, clock=clock, retention_seconds=100, anchor_path=anchors)
@@ -191,7 +184,7 @@ def test_4a_deleting_the_newest_records_and_rewinding_the_head_is_refused(
 
 
 def test_4a_a_head_replayed_with_its_old_mac_is_caught_by_the_anchor_file(
-    db: Database, anchored: AuditLog, kek: KeyEncryptionKey, clock: Clock
+    db: Database, anchored: AuditLog, kek: KeyEncryptionKey, clock: ManualClock
 ) -> None:
     """The attacker copied the head row (MAC included) at seq 3 and puts it back later."""
     append(db, anchored, 3)
@@ -269,7 +262,7 @@ def test_4c_deleting_the_oldest_records_fails_verification(db: Database, log: Au
 
 
 def test_4c_deleting_more_after_a_genuine_purge_fails_verification(
-    db: Database, log: AuditLog, clock: Clock
+    db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
     append(db, log, 5)
     clock.now = T0 + 102  # retention 100 s: seq 1 and 2 (t0, t0+1) expire
@@ -289,7 +282,7 @@ def test_4c_deleting_more_after_a_genuine_purge_fails_verification(
 
 
 def test_genuine_exports_verify_before_and_after_a_purge_and_anchoring(
-    db: Database, anchored: AuditLog, clock: Clock, anchors: Path
+    db: Database, anchored: AuditLog, clock: ManualClock, anchors: Path
 ) -> None:
     append(db, anchored, 4)
     with db.write() as session:
@@ -315,7 +308,7 @@ def test_genuine_exports_verify_before_and_after_a_purge_and_anchoring(
 
 
 def test_an_edited_or_truncated_anchor_file_is_reported(
-    db: Database, anchored: AuditLog, anchors: Path, kek: KeyEncryptionKey, clock: Clock
+    db: Database, anchored: AuditLog, anchors: Path, kek: KeyEncryptionKey, clock: ManualClock
 ) -> None:
     append(db, anchored, 2)
     assert report(db, anchored).ok
@@ -346,7 +339,7 @@ def upgrade_index(db: Database, log: AuditLog) -> None:
 
 
 def test_an_index_from_before_macs_is_sealed_by_its_upgrade(
-    db: Database, log: AuditLog, kek: KeyEncryptionKey, clock: Clock
+    db: Database, log: AuditLog, kek: KeyEncryptionKey, clock: ManualClock
 ) -> None:
     """Old tables lack the MAC columns, old records were hashed with U+2028 raw, and an old
     retention purge left no statement. The upgrade adds the columns, MACs the heads as they are,

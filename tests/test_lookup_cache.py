@@ -39,10 +39,17 @@ from tenantkv.crypto import KeyEncryptionKey
 from tenantkv.index import blocks, counters, removals
 from tenantkv.lookup_cache import HeldKeys, LookupCache
 from tenantkv.prefix import model_fingerprint
-from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+from tests.helpers import (
+    MLA_SMALL,
+    ManualClock,
+    layers_equal,
+    load_all,
+    random_layers,
+    random_tokens,
+)
 from tests.indexes import Index
 from tests.test_fleet_coordination import nodes
-from tests.test_tenants import BIG_QUOTA, FakeClock, extent_path, open_cache
+from tests.test_tenants import BIG_QUOTA, extent_path, open_cache
 
 DAY = 86400.0
 MODEL = "lookup-model"
@@ -186,12 +193,14 @@ def test_the_structure_drops_keys_read_under_another_removal_count() -> None:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(float(int(time.time()) // 60 * 60))
+def clock() -> ManualClock:
+    return ManualClock(float(int(time.time()) // 60 * 60))
 
 
 @contextmanager
-def two_nodes(root: Path, clock: FakeClock, **options: Any) -> Iterator[tuple[TenantKV, TenantKV]]:
+def two_nodes(
+    root: Path, clock: ManualClock, **options: Any
+) -> Iterator[tuple[TenantKV, TenantKV]]:
     """Two caches on one root (one index, one extent directory, one master key, one clock),
     as two inference nodes of a fleet."""
     master_key = secrets.token_bytes(32)
@@ -221,7 +230,7 @@ def _statements(kv: TenantKV) -> tuple[list[str], Any]:
 
 
 @pytest.mark.usefixtures("index")
-def test_a_warm_lookup_asks_the_index_one_statement(tmp_path: Path, clock: FakeClock) -> None:
+def test_a_warm_lookup_asks_the_index_one_statement(tmp_path: Path, clock: ManualClock) -> None:
     with two_nodes(tmp_path / "cache", clock) as (kv, _other):
         kv.create_tenant("acme", quota_bytes=BIG_QUOTA)
         ns = kv.namespace("acme", model=MODEL, layout=MLA_SMALL)
@@ -255,7 +264,7 @@ REMOVALS = ["purge", "evict", "retention", "expiry", "gc", "lost", "delete_tenan
 @pytest.mark.parametrize("removal", REMOVALS)
 @pytest.mark.usefixtures("index")
 def test_a_removal_on_another_node_is_a_miss_at_once(
-    tmp_path: Path, clock: FakeClock, removal: str
+    tmp_path: Path, clock: ManualClock, removal: str
 ) -> None:
     """Node one holds a prefix's keys; node two removes (some of) its blocks; node one's next
     lookup answers what the index says, and a load of the old answer is a miss, never data."""
@@ -367,7 +376,7 @@ def _extent_bytes(kv: TenantKV, ns: Namespace) -> int:
 
 
 @pytest.mark.usefixtures("index")
-def test_blocks_stored_by_another_node_are_hits_at_once(tmp_path: Path, clock: FakeClock) -> None:
+def test_blocks_stored_by_another_node_are_hits_at_once(tmp_path: Path, clock: ManualClock) -> None:
     with two_nodes(tmp_path / "cache", clock) as (one, two):
         one.create_tenant("acme", quota_bytes=BIG_QUOTA)
         ns_one = one.namespace("acme", model=MODEL, layout=MLA_SMALL)
@@ -385,7 +394,7 @@ def test_blocks_stored_by_another_node_are_hits_at_once(tmp_path: Path, clock: F
 
 @pytest.mark.usefixtures("index")
 def test_namespaces_and_scopes_never_see_each_others_held_keys(
-    tmp_path: Path, clock: FakeClock
+    tmp_path: Path, clock: ManualClock
 ) -> None:
     with two_nodes(tmp_path / "cache", clock) as (kv, _other):
         kv.create_tenant("alpha", quota_bytes=BIG_QUOTA)
@@ -410,7 +419,7 @@ def test_namespaces_and_scopes_never_see_each_others_held_keys(
 
 
 @pytest.mark.usefixtures("index")
-def test_removals_are_counted_per_namespace(tmp_path: Path, clock: FakeClock) -> None:
+def test_removals_are_counted_per_namespace(tmp_path: Path, clock: ManualClock) -> None:
     with two_nodes(tmp_path / "cache", clock) as (kv, _other):
         kv.create_tenant("alpha", quota_bytes=BIG_QUOTA)
         kv.create_tenant("beta", quota_bytes=BIG_QUOTA)
@@ -432,7 +441,9 @@ def test_removals_are_counted_per_namespace(tmp_path: Path, clock: FakeClock) ->
 
 
 @pytest.mark.usefixtures("index")
-def test_a_cache_with_the_structure_off_answers_the_same(tmp_path: Path, clock: FakeClock) -> None:
+def test_a_cache_with_the_structure_off_answers_the_same(
+    tmp_path: Path, clock: ManualClock
+) -> None:
     with two_nodes(tmp_path / "cache", clock, lookup_cache_keys=0) as (one, two):
         one.create_tenant("acme", quota_bytes=BIG_QUOTA)
         ns_one = one.namespace("acme", model=MODEL, layout=MLA_SMALL)
@@ -483,7 +494,7 @@ class LookupMachine(RuleBasedStateMachine):
     """Two nodes and three namespaces (two tenants, one with two scopes) sharing one index and
     one fake clock; every lookup on either node is compared with the index."""
 
-    def __init__(self, nodes: tuple[TenantKV, TenantKV], clock: FakeClock) -> None:
+    def __init__(self, nodes: tuple[TenantKV, TenantKV], clock: ManualClock) -> None:
         super().__init__()
         self.nodes = nodes
         self.clock = clock
@@ -619,7 +630,7 @@ class LookupMachine(RuleBasedStateMachine):
 
 @pytest.mark.usefixtures("index")
 def test_two_nodes_against_the_index() -> None:
-    clock = FakeClock(float(int(time.time()) // 60 * 60))
+    clock = ManualClock(float(int(time.time()) // 60 * 60))
     with (
         tempfile.TemporaryDirectory(prefix="tenantkv-lookup-") as root,
         two_nodes(Path(root), clock) as pair,

@@ -30,7 +30,7 @@ from tenantkv import BLOCK_TOKENS, Namespace, TenantKV
 from tenantkv.metering import FIELDS
 from tests.indexes import Index
 
-from .helpers import load_all, random_layers, random_tokens
+from .helpers import ManualClock, load_all, random_layers, random_tokens
 from .test_tenant_model import (
     DAY,
     LAYOUT,
@@ -38,7 +38,6 @@ from .test_tenant_model import (
     RETENTION,
     SEQUENCES,
     BackgroundWork,
-    FakeClock,
     Seq,
     extent_bytes,
     layer_bytes,
@@ -128,7 +127,7 @@ class Run:
     """One fresh cache with tenants A and B, executing a schedule and recording B's trace."""
 
     def __init__(self, root: str, *, shared: bool) -> None:
-        self.clock = FakeClock()
+        self.clock = ManualClock()
         unit = extent_bytes(1)
         self.kv: TenantKV = tenantkv.open(
             root,

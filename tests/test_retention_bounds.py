@@ -15,10 +15,9 @@ from sqlalchemy import event
 
 from tenantkv import InvalidRequestError, TenantKV
 from tenantkv.retention import MAX_RETENTION_CLASSES
-from tests.helpers import MLA_SMALL
+from tests.helpers import MLA_SMALL, ManualClock
 from tests.test_tenants import (
     MODEL,
-    FakeClock,
     extents_of,
     loads_exact,
     new_tenant,
@@ -36,12 +35,12 @@ def extra_classes(count: int, start: int = 0) -> dict[str, str]:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(1_000_000.0)
+def clock() -> ManualClock:
+    return ManualClock(1_000_000.0)
 
 
 @pytest.fixture
-def cache(cache_root: Path, clock: FakeClock) -> Iterator[TenantKV]:
+def cache(cache_root: Path, clock: ManualClock) -> Iterator[TenantKV]:
     kv = open_cache(cache_root, clock, secrets.token_bytes(32))
     try:
         yield kv
@@ -108,7 +107,7 @@ def _bookkeeping_statements(kv: TenantKV, tenant: str, kind: str, seed: int) -> 
 
 
 def test_a_loads_bookkeeping_does_not_grow_with_the_tenants_classes(
-    cache: TenantKV, clock: FakeClock
+    cache: TenantKV, clock: ManualClock
 ) -> None:
     new_tenant(cache, "few")  # the two default classes
     new_tenant(cache, "many", retention=extra_classes(MAX_RETENTION_CLASSES - DEFAULT_CLASSES))

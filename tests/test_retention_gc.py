@@ -19,13 +19,12 @@ import tenantkv
 from tenantkv import CacheMissError, InvalidRequestError, TenantKV
 from tenantkv.cli import main
 from tenantkv.index.schema import Extent
-from tests.helpers import MLA_SMALL
+from tests.helpers import MLA_SMALL, ManualClock
 from tests.indexes import Index
 from tests.test_tenants import (
     BIG_QUOTA,
     CAPACITY,
     MODEL,
-    FakeClock,
     Prefix,
     extent_files,
     extent_path,
@@ -44,8 +43,8 @@ DAY = 86400.0
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(float(int(time.time()) // 60 * 60))
+def clock() -> ManualClock:
+    return ManualClock(float(int(time.time()) // 60 * 60))
 
 
 @pytest.fixture
@@ -54,7 +53,7 @@ def master_key() -> bytes:
 
 
 @pytest.fixture
-def cache(cache_root: Path, clock: FakeClock, master_key: bytes) -> Iterator[TenantKV]:
+def cache(cache_root: Path, clock: ManualClock, master_key: bytes) -> Iterator[TenantKV]:
     kv = open_cache(cache_root, clock, master_key)
     try:
         yield kv
@@ -81,7 +80,9 @@ def copy_as_orphan(root: Path, extent_id: str, age: float) -> Path:
 # ---- retention ------------------------------------------------------------------------------
 
 
-def test_agent_prefix_expires_three_days_after_its_store(cache: TenantKV, clock: FakeClock) -> None:
+def test_agent_prefix_expires_three_days_after_its_store(
+    cache: TenantKV, clock: ManualClock
+) -> None:
     ns = new_tenant(cache, "a")
     assert cache.get_tenant("a").retention == {"agent": 3 * DAY, "chat": 7 * DAY}
     p = prefix(1)
@@ -100,7 +101,9 @@ def test_agent_prefix_expires_three_days_after_its_store(cache: TenantKV, clock:
     assert loads_exact(ns, p)
 
 
-def test_an_expired_prefix_can_be_stored_again_before_gc(cache: TenantKV, clock: FakeClock) -> None:
+def test_an_expired_prefix_can_be_stored_again_before_gc(
+    cache: TenantKV, clock: ManualClock
+) -> None:
     ns = new_tenant(cache, "a")
     p = prefix(19)
     store_one(cache, ns, p, kind="agent")
@@ -111,7 +114,7 @@ def test_an_expired_prefix_can_be_stored_again_before_gc(cache: TenantKV, clock:
     assert loads_exact(ns, p)
 
 
-def test_chat_prefix_lasts_seven_days(cache: TenantKV, clock: FakeClock) -> None:
+def test_chat_prefix_lasts_seven_days(cache: TenantKV, clock: ManualClock) -> None:
     ns = new_tenant(cache, "a")
     chat, agent = prefix(2), prefix(3)
     start = clock.now
@@ -125,7 +128,7 @@ def test_chat_prefix_lasts_seven_days(cache: TenantKV, clock: FakeClock) -> None
     assert ns.lookup(chat.tokens) == 0
 
 
-def test_a_load_refreshes_expiry(cache: TenantKV, clock: FakeClock) -> None:
+def test_a_load_refreshes_expiry(cache: TenantKV, clock: ManualClock) -> None:
     ns = new_tenant(cache, "a")
     loaded, untouched = prefix(4), prefix(5)
     start = clock.now
@@ -141,7 +144,7 @@ def test_a_load_refreshes_expiry(cache: TenantKV, clock: FakeClock) -> None:
     assert ns.lookup(loaded.tokens) == 0
 
 
-def test_retention_is_per_tenant(cache: TenantKV, clock: FakeClock) -> None:
+def test_retention_is_per_tenant(cache: TenantKV, clock: ManualClock) -> None:
     short = new_tenant(cache, "short", retention={"agent": "1h", "chat": "2h"})
     default = new_tenant(cache, "default")
     p = prefix(6)
@@ -157,7 +160,7 @@ def test_retention_is_per_tenant(cache: TenantKV, clock: FakeClock) -> None:
 
 
 def test_update_retention_changes_expiry_of_existing_extents(
-    cache: TenantKV, clock: FakeClock
+    cache: TenantKV, clock: ManualClock
 ) -> None:
     ns = new_tenant(cache, "a")
     agent, chat = prefix(7), prefix(8)
@@ -186,7 +189,7 @@ def test_update_retention_changes_expiry_of_existing_extents(
 
 
 def test_gc_removes_expired_extents_index_and_bytes(
-    cache: TenantKV, cache_root: Path, clock: FakeClock
+    cache: TenantKV, cache_root: Path, clock: ManualClock
 ) -> None:
     ns = new_tenant(cache, "a")
     gone, kept = prefix(10), prefix(11, blocks=2)
@@ -214,7 +217,7 @@ def test_gc_removes_expired_extents_index_and_bytes(
 
 
 def test_gc_drops_the_index_row_first_even_if_the_bytes_cannot_go(
-    cache: TenantKV, cache_root: Path, clock: FakeClock
+    cache: TenantKV, cache_root: Path, clock: ManualClock
 ) -> None:
     ns = new_tenant(cache, "a")
     p = prefix(12)
@@ -235,7 +238,7 @@ def test_gc_drops_the_index_row_first_even_if_the_bytes_cannot_go(
 
 
 def test_orphan_sweep_removes_old_unindexed_files_and_spares_young_ones(
-    cache: TenantKV, cache_root: Path, clock: FakeClock
+    cache: TenantKV, cache_root: Path, clock: ManualClock
 ) -> None:
     ns = new_tenant(cache, "a")
     p = prefix(13)
@@ -269,7 +272,7 @@ def test_gc_sweeps_old_leftover_temporary_files(cache: TenantKV, cache_root: Pat
 def test_cli_gc_collects_and_prints_a_summary(
     cache_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    clock = FakeClock(time.time() - 2 * DAY)  # stored two days ago, kept for an hour
+    clock = ManualClock(time.time() - 2 * DAY)  # stored two days ago, kept for an hour
     with tenantkv.open(cache_root, durable=False, capacity_bytes=CAPACITY, clock=clock) as kv:
         ns = new_tenant(kv, "a", retention={"agent": "1h"})
         expired_id = store_one(kv, ns, prefix(14), kind="agent")
@@ -293,7 +296,7 @@ def _gc_threads() -> list[threading.Thread]:
 
 
 def test_background_gc_collects_expired_extents_and_stops_at_close(
-    cache_root: Path, clock: FakeClock, master_key: bytes
+    cache_root: Path, clock: ManualClock, master_key: bytes
 ) -> None:
     before = len(_gc_threads())
     kv = open_cache(cache_root, clock, master_key)
@@ -322,7 +325,7 @@ def test_background_gc_collects_expired_extents_and_stops_at_close(
 
 
 def test_gc_interval_option_starts_the_background_gc(
-    cache_root: Path, clock: FakeClock, master_key: bytes
+    cache_root: Path, clock: ManualClock, master_key: bytes
 ) -> None:
     before = len(_gc_threads())
     with open_cache(cache_root, clock, master_key, gc_interval=0.02) as kv:
@@ -367,7 +370,7 @@ def test_usage_counts_hits_misses_served_and_stored(cache: TenantKV) -> None:
     assert report.tenant == "a" and report.scope is None
 
 
-def test_custom_hit_cost(cache_root: Path, clock: FakeClock, master_key: bytes) -> None:
+def test_custom_hit_cost(cache_root: Path, clock: ManualClock, master_key: bytes) -> None:
     with open_cache(cache_root, clock, master_key, hit_cost=0.5) as kv:
         ns = new_tenant(kv, "a")
         p = prefix(23)
@@ -403,7 +406,7 @@ def test_usage_per_scope_and_all_scopes(cache: TenantKV) -> None:
     assert all(v == 0 for v in cache.usage("a", scope="nope").counters.values())
 
 
-def test_usage_since_until_select_60_second_buckets(cache: TenantKV, clock: FakeClock) -> None:
+def test_usage_since_until_select_60_second_buckets(cache: TenantKV, clock: ManualClock) -> None:
     ns = new_tenant(cache, "a")
     t0 = clock.now  # a bucket boundary
     for minute, misses in ((0, 1), (1, 2), (3, 4)):
@@ -424,7 +427,7 @@ def test_usage_since_until_select_60_second_buckets(cache: TenantKV, clock: Fake
     assert misses(until=t0) == 0
 
 
-def test_usage_of_adjacent_windows_adds_up(cache: TenantKV, clock: FakeClock) -> None:
+def test_usage_of_adjacent_windows_adds_up(cache: TenantKV, clock: ManualClock) -> None:
     ns = new_tenant(cache, "a")
     t0 = clock.now
     clock.now = t0 + 10
@@ -440,7 +443,7 @@ def test_usage_of_adjacent_windows_adds_up(cache: TenantKV, clock: FakeClock) ->
 
 
 def test_evictions_are_metered_in_the_scope_of_the_evicted_extent(
-    cache: TenantKV, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, clock: ManualClock, extent_bytes: int
 ) -> None:
     new_tenant(cache, "a", quota=2 * extent_bytes)
     s1 = cache.namespace("a", model=MODEL, layout=MLA_SMALL, scope="s1")
@@ -467,7 +470,7 @@ def extent_bytes(tmp_path_factory: pytest.TempPathFactory, index: Index) -> int:
 
 def _scenario_for_a(root: Path, master_key: bytes, b_busy: bool) -> dict[str, int]:
     """Tenant a's usage after a fixed sequence of its own calls, with tenant b idle or busy."""
-    clock = FakeClock(float(int(time.time()) // 60 * 60))
+    clock = ManualClock(float(int(time.time()) // 60 * 60))
     with open_cache(root, clock, master_key) as kv:
         a = new_tenant(kv, "a", retention={"agent": "1h"})
         b = new_tenant(kv, "b", retention={"agent": "1h"})
@@ -501,7 +504,7 @@ def test_usage_of_one_tenant_never_includes_anothers(tmp_path: Path, master_key:
     assert idle["expired_extents"] == 2
 
 
-def test_usage_survives_reopening(cache_root: Path, clock: FakeClock, master_key: bytes) -> None:
+def test_usage_survives_reopening(cache_root: Path, clock: ManualClock, master_key: bytes) -> None:
     with open_cache(cache_root, clock, master_key) as kv:
         ns = new_tenant(kv, "a")
         p = prefix(33)

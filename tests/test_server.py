@@ -39,23 +39,15 @@ from tenantkv.server.auth import (
     verify_token,
 )
 from tenantkv.server.settings import Settings
-from tests.helpers import MLA_SMALL, random_layers, random_tokens
+from tests.helpers import MLA_SMALL, ManualClock, random_layers, random_tokens
 from tests.indexes import Index
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
 class Api:
     kv: TenantKV
     client: TestClient
-    clock: FakeClock
+    clock: ManualClock
     operator: dict[str, str]
     auditor: dict[str, str]
     acme: dict[str, str]  # tenant-admin of acme
@@ -68,7 +60,7 @@ def bearer(token: str) -> dict[str, str]:
 
 @pytest.fixture(name="api")
 def api_fixture(tmp_path: Path, index: Index) -> Iterator[Api]:
-    clock = FakeClock()
+    clock = ManualClock(time.time())
     kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**50, clock=clock)
     try:
         app = create_app(kv, Settings(root=str(tmp_path / "cache")))

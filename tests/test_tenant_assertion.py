@@ -34,31 +34,23 @@ from tenantkv.tenant_assertion import (
     AssertionVerifier,
     public_key_pem,
 )
-from tests.helpers import MHA_SMALL, random_layers, random_tokens
+from tests.helpers import MHA_SMALL, ManualClock, random_layers, random_tokens
 
 NOW = 1_800_000_000.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(NOW)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def signer(clock: Clock) -> AssertionSigner:
+def signer(clock: ManualClock) -> AssertionSigner:
     return AssertionSigner(Ed25519PrivateKey.generate(), clock=clock)
 
 
 @pytest.fixture
-def verifier(signer: AssertionSigner, clock: Clock) -> AssertionVerifier:
+def verifier(signer: AssertionSigner, clock: ManualClock) -> AssertionVerifier:
     return AssertionVerifier.from_pem([public_key_pem(signer.public_key)], clock=clock)
 
 
@@ -83,7 +75,7 @@ def test_missing_and_malformed_are_refused(verifier: AssertionVerifier) -> None:
 
 
 def test_forged_assertions_are_refused(
-    signer: AssertionSigner, verifier: AssertionVerifier, clock: Clock
+    signer: AssertionSigner, verifier: AssertionVerifier, clock: ManualClock
 ) -> None:
     genuine = signer.sign("acme")
     prefix, payload, signature = genuine.split(".")
@@ -107,7 +99,7 @@ def test_forged_assertions_are_refused(
 
 
 def test_expiry_issue_time_and_lifetime(
-    signer: AssertionSigner, verifier: AssertionVerifier, clock: Clock
+    signer: AssertionSigner, verifier: AssertionVerifier, clock: ManualClock
 ) -> None:
     assertion = signer.sign("acme", ttl=60)
     clock.now = NOW + 59
@@ -121,7 +113,7 @@ def test_expiry_issue_time_and_lifetime(
 
 
 def test_audience_binds_an_assertion_to_its_deployment(
-    signer: AssertionSigner, clock: Clock
+    signer: AssertionSigner, clock: ManualClock
 ) -> None:
     pem = public_key_pem(signer.public_key)
     prod = AssertionVerifier.from_pem([pem], audience="prod", clock=clock)
@@ -132,7 +124,7 @@ def test_audience_binds_an_assertion_to_its_deployment(
     assert refusal(unbound, signer.sign("acme", audience="prod")) == WRONG_AUDIENCE
 
 
-def test_rotation_accepts_every_configured_key(clock: Clock) -> None:
+def test_rotation_accepts_every_configured_key(clock: ManualClock) -> None:
     old = AssertionSigner(Ed25519PrivateKey.generate(), clock=clock)
     new_key = Ed25519PrivateKey.generate()
     pem = new_key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
@@ -198,7 +190,7 @@ def test_identity_rule_isolates_tenants_and_scopes(
 
 
 def test_refused_assertions_are_security_events(
-    tmp_path: Path, index: object, signer: AssertionSigner, clock: Clock
+    tmp_path: Path, index: object, signer: AssertionSigner, clock: ManualClock
 ) -> None:
     verifier = AssertionVerifier([signer.public_key], clock=clock)
     rogue = AssertionSigner(Ed25519PrivateKey.generate(), clock=clock)

@@ -47,7 +47,7 @@ from tenantkv import BLOCK_TOKENS, Layer, Namespace, TenantKV
 from tenantkv.metering import FIELDS
 from tests.indexes import Index
 
-from .helpers import MLA_SMALL, load_all, random_layers, random_tokens
+from .helpers import MLA_SMALL, ManualClock, load_all, random_layers, random_tokens
 
 LAYOUT = MLA_SMALL
 MODEL_NAME = "model-test"
@@ -61,21 +61,6 @@ KINDS = ("agent", "chat")
 START = 1_000_000.0
 
 # ---- test plumbing ------------------------------------------------------------------------------
-
-
-class FakeClock:
-    """A clock the test moves by hand; the cache reads it for every timestamp."""
-
-    def __init__(self, start: float = START) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        assert seconds > 0, "the fake clock only moves forward"
-        self.now += seconds
-        return self.now
 
 
 class BackgroundWork:
@@ -110,7 +95,7 @@ def extent_sizes() -> tuple[int, int]:
     """(fixed bytes, bytes per block) of an extent in LAYOUT, learnt from ``used_bytes``."""
     with (
         tempfile.TemporaryDirectory(prefix="tenantkv-size-") as root,
-        tenantkv.open(root, durable=False, workers=1, clock=FakeClock()) as kv,
+        tenantkv.open(root, durable=False, workers=1, clock=ManualClock(START)) as kv,
     ):
         kv.create_tenant("probe", quota_bytes=2**24)
         ns = kv.namespace("probe", model=MODEL_NAME, layout=LAYOUT)
@@ -234,7 +219,7 @@ class TenantMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._dir = tempfile.TemporaryDirectory(prefix="tenantkv-model-")
-        self.clock = FakeClock()
+        self.clock = ManualClock(START)
         self.kv = tenantkv.open(
             self._dir.name,
             durable=False,
@@ -669,7 +654,7 @@ def test_machine_has_power(_: None) -> None:
         machine.teardown()
 
 
-def make_cache(root: str, clock: FakeClock, capacity: int) -> TenantKV:
+def make_cache(root: str, clock: ManualClock, capacity: int) -> TenantKV:
     return tenantkv.open(root, durable=False, workers=2, capacity_bytes=capacity, clock=clock)
 
 
@@ -678,7 +663,7 @@ def test_quota_eviction_completes(tmp_path: Any) -> None:
     """A store over the quota evicts the least recently used extent, meters it, removes its file
     and returns normally. (Regression: eviction used to raise TypeError in
     TenantKV._scopes_of.)"""
-    clock = FakeClock()
+    clock = ManualClock(START)
     with make_cache(str(tmp_path), clock, 10 * extent_bytes(1)) as kv:
         kv.create_tenant("t", quota_bytes=2 * extent_bytes(1), retention=RETENTION)
         ns = kv.namespace("t", model=MODEL_NAME, layout=LAYOUT)
@@ -695,7 +680,7 @@ def test_quota_eviction_completes(tmp_path: Any) -> None:
 @pytest.mark.usefixtures("index")
 def test_restore_of_expired_prefix_before_gc(tmp_path: Any) -> None:
     """An expired prefix is a miss at once, and storing it again caches it again, before GC."""
-    clock = FakeClock()
+    clock = ManualClock(START)
     with make_cache(str(tmp_path), clock, 2**26) as kv:
         kv.create_tenant("t", quota_bytes=2**24, retention=RETENTION)
         ns = kv.namespace("t", model=MODEL_NAME, layout=LAYOUT)
@@ -714,7 +699,7 @@ def test_gc_does_not_warn_about_extents_it_collected(
 ) -> None:
     """GC removes an expired extent quietly. (Regression: its orphan sweep used to look up the
     files it had just deleted and log 'orphan sweep could not remove ...' for each.)"""
-    clock = FakeClock()
+    clock = ManualClock(START)
     with make_cache(str(tmp_path), clock, 2**26) as kv:
         kv.create_tenant("t", quota_bytes=2**24, retention=RETENTION)
         ns = kv.namespace("t", model=MODEL_NAME, layout=LAYOUT)

@@ -43,26 +43,19 @@ from tenantkv.extent_format import ExtentGeometry
 from tenantkv.index.schema import Block, DataKey, Extent, Tenant, Usage
 from tenantkv.index.schema import Namespace as NamespaceRow
 from tenantkv.keyring import data_key_context
-from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+from tests.helpers import (
+    MLA_SMALL,
+    ManualClock,
+    layers_equal,
+    load_all,
+    random_layers,
+    random_tokens,
+)
 from tests.indexes import Index
 
 CAPACITY = 2**30
 BIG_QUOTA = 2**24
 MODEL = "m"
-
-
-class FakeClock:
-    """A clock the test moves by hand (starts at a minute boundary near the real time, so file
-    modification times and the cache's idea of "now" agree for the orphan sweep)."""
-
-    def __init__(self, start: float) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass(frozen=True)
@@ -78,8 +71,10 @@ def prefix(seed: int, blocks: int = 1) -> Prefix:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(float(int(time.time()) // 60 * 60))
+def clock() -> ManualClock:
+    """Starts at a minute boundary near the real time, so file modification times and the
+    cache's idea of "now" agree for the orphan sweep."""
+    return ManualClock(float(int(time.time()) // 60 * 60))
 
 
 @pytest.fixture
@@ -87,7 +82,7 @@ def master_key() -> bytes:
     return secrets.token_bytes(32)
 
 
-def open_cache(root: Path, clock: FakeClock, master_key: bytes, **options: Any) -> TenantKV:
+def open_cache(root: Path, clock: ManualClock, master_key: bytes, **options: Any) -> TenantKV:
     """Open, then set the capacity and overcommit policy by the explicit operator call."""
     capacity = {
         "capacity_bytes": options.pop("capacity_bytes", CAPACITY),
@@ -105,7 +100,7 @@ def open_cache(root: Path, clock: FakeClock, master_key: bytes, **options: Any) 
 
 
 @pytest.fixture
-def cache(cache_root: Path, clock: FakeClock, master_key: bytes) -> Iterator[TenantKV]:
+def cache(cache_root: Path, clock: ManualClock, master_key: bytes) -> Iterator[TenantKV]:
     kv = open_cache(cache_root, clock, master_key)
     try:
         yield kv
@@ -205,7 +200,7 @@ def new_tenant(kv: TenantKV, name: str, quota: int = BIG_QUOTA, **kwargs: Any) -
 # ---- lifecycle ----------------------------------------------------------------------------------
 
 
-def test_create_get_list_update_delete(cache: TenantKV, clock: FakeClock) -> None:
+def test_create_get_list_update_delete(cache: TenantKV, clock: ManualClock) -> None:
     info = cache.create_tenant("acme", quota_bytes=5_000_000, retention={"agent": "1h"})
     assert info.name == "acme"
     assert info.created_at == clock.now
@@ -320,7 +315,7 @@ BAD_DURATIONS: list[Any] = [
 
 @pytest.mark.parametrize("duration", BAD_DURATIONS, ids=repr)
 def test_bad_retention_duration_is_refused_with_no_partial_state(
-    cache: TenantKV, clock: FakeClock, duration: Any
+    cache: TenantKV, clock: ManualClock, duration: Any
 ) -> None:
     with pytest.raises(InvalidRequestError):
         cache.create_tenant("acme", quota_bytes=BIG_QUOTA, retention={"agent": duration})
@@ -414,7 +409,7 @@ def test_store_with_an_unknown_class_is_refused_even_when_already_cached(
 
 
 def test_quotas_may_not_exceed_capacity(
-    cache_root: Path, clock: FakeClock, master_key: bytes
+    cache_root: Path, clock: ManualClock, master_key: bytes
 ) -> None:
     with open_cache(cache_root, clock, master_key, capacity_bytes=1000) as kv:
         kv.create_tenant("a", quota_bytes=600)
@@ -436,7 +431,7 @@ def test_quotas_may_not_exceed_capacity(
 
 
 def test_concurrent_quota_changes_never_reserve_more_than_the_capacity(
-    cache_root: Path, clock: FakeClock, master_key: bytes
+    cache_root: Path, clock: ManualClock, master_key: bytes
 ) -> None:
     """Two nodes sharing one index create tenants, then raise quotas, all at once. SQLite runs
     their transactions one at a time; PostgreSQL runs them side by side, and must still let
@@ -482,7 +477,7 @@ def test_concurrent_quota_changes_never_reserve_more_than_the_capacity(
 
 
 def test_overcommit_is_opt_in_audited_and_persists(
-    cache_root: Path, clock: FakeClock, master_key: bytes
+    cache_root: Path, clock: ManualClock, master_key: bytes
 ) -> None:
     with open_cache(
         cache_root, clock, master_key, capacity_bytes=1000, allow_overcommit=True
@@ -516,7 +511,7 @@ def test_overcommit_is_opt_in_audited_and_persists(
 
 
 def test_capacity_is_index_state_changed_only_by_the_audited_call(
-    cache_root: Path, clock: FakeClock, master_key: bytes
+    cache_root: Path, clock: ManualClock, master_key: bytes
 ) -> None:
     key = KeyEncryptionKey(master_key)
     with open_cache(cache_root, clock, master_key, capacity_bytes=1000) as node_a:
@@ -548,7 +543,7 @@ def test_capacity_is_index_state_changed_only_by_the_audited_call(
 
 
 def test_over_quota_store_evicts_only_the_tenants_own_lru_extents(
-    cache: TenantKV, cache_root: Path, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, cache_root: Path, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns_a = new_tenant(cache, "a", quota=3 * extent_bytes)
     ns_b = new_tenant(cache, "b", quota=3 * extent_bytes)
@@ -579,7 +574,7 @@ def test_over_quota_store_evicts_only_the_tenants_own_lru_extents(
 
 
 def test_an_evicting_store_returns_normally_and_removes_the_evicted_file(
-    cache: TenantKV, cache_root: Path, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, cache_root: Path, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns = new_tenant(cache, "a", quota=extent_bytes)
     first, second = prefix(55), prefix(56)
@@ -593,7 +588,7 @@ def test_an_evicting_store_returns_normally_and_removes_the_evicted_file(
     assert usage["stored_tokens"] == 128 and usage["evicted_extents"] == 1
 
 
-def test_lru_order_counts_loads(cache: TenantKV, clock: FakeClock, extent_bytes: int) -> None:
+def test_lru_order_counts_loads(cache: TenantKV, clock: ManualClock, extent_bytes: int) -> None:
     ns = new_tenant(cache, "a", quota=3 * extent_bytes)
     ps = [prefix(30 + i) for i in range(4)]
     ids: list[str] = []
@@ -610,7 +605,7 @@ def test_lru_order_counts_loads(cache: TenantKV, clock: FakeClock, extent_bytes:
 
 
 def test_lookup_alone_does_not_refresh_lru(
-    cache: TenantKV, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns = new_tenant(cache, "a", quota=2 * extent_bytes)
     ps = [prefix(40 + i) for i in range(3)]
@@ -625,7 +620,7 @@ def test_lookup_alone_does_not_refresh_lru(
 
 
 def test_store_larger_than_the_whole_quota_is_refused_and_stores_nothing(
-    cache: TenantKV, cache_root: Path, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, cache_root: Path, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns = new_tenant(cache, "a", quota=extent_bytes)
     small = prefix(50)
@@ -645,7 +640,7 @@ def test_store_larger_than_the_whole_quota_is_refused_and_stores_nothing(
 
 
 def test_extent_read_by_an_open_load_is_never_evicted(
-    cache: TenantKV, cache_root: Path, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, cache_root: Path, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns = new_tenant(cache, "a", quota=2 * extent_bytes)
     ps = [prefix(60 + i) for i in range(4)]
@@ -679,7 +674,7 @@ def test_extent_read_by_an_open_load_is_never_evicted(
 
 
 def test_lowering_the_quota_evicts_down_to_it(
-    cache: TenantKV, cache_root: Path, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, cache_root: Path, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns = new_tenant(cache, "a", quota=4 * extent_bytes)
     other = new_tenant(cache, "b", quota=4 * extent_bytes)
@@ -713,7 +708,7 @@ def test_lowering_the_quota_evicts_down_to_it(
 
 
 def test_store_prefers_evicting_expired_extents_over_lru(
-    cache: TenantKV, clock: FakeClock, extent_bytes: int
+    cache: TenantKV, clock: ManualClock, extent_bytes: int
 ) -> None:
     ns = new_tenant(cache, "a", quota=2 * extent_bytes, retention={"agent": "1h"})
     old_chat, new_agent, third = prefix(80), prefix(81), prefix(82)
