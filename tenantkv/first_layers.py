@@ -14,14 +14,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
 
 
 class FirstLayerGate:
     """Holds taken by loads until their first layer is handed over; waits until none is held."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(self) -> None:
         self._changed = threading.Condition()
         self._holds: set[int] = set()
         self._ids = itertools.count()
@@ -47,11 +45,11 @@ class FirstLayerGate:
             return len(self._holds)
 
     def wait_until_clear(self, deadline: float) -> bool:
-        """Block until no load is before its first layer, or until ``deadline`` (on the gate's
-        clock, ``time.monotonic`` by default); return whether it cleared."""
+        """Block until no load is before its first layer, or until ``deadline`` (a
+        ``time.monotonic()`` time); return whether it cleared."""
         with self._changed:
             while self._holds:
-                remaining = deadline - self._clock()
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._changed.wait(remaining)
