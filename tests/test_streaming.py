@@ -37,11 +37,15 @@ def _open_fds() -> int:
 
 def _threads_outside_pools(kv: TenantKV) -> int:
     """Live threads other than the cache's pool threads, which may start on demand (up to
-    ``load_threads``) and live as long as the cache; a stream must leave no other behind."""
-    assert len(kv.context.runtime.load_executor._threads) <= kv.context.runtime.load_threads
+    ``load_threads``, and the one bookkeeping thread) and live as long as the cache; a stream
+    must leave no other behind."""
+    runtime = kv.context.runtime
+    assert len(runtime.load_executor._threads) <= runtime.load_threads
+    assert len(runtime.bookkeeping_executor._threads) <= 1
     pooled = {
-        *kv.context.runtime.load_executor._threads,
-        *kv.context.runtime.seal_executor._threads,
+        *runtime.load_executor._threads,
+        *runtime.seal_executor._threads,
+        *runtime.bookkeeping_executor._threads,
     }
     return sum(thread not in pooled for thread in threading.enumerate())
 
