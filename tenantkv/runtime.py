@@ -94,10 +94,9 @@ class Runtime:
     def _after_first_layers(
         self, submitted: float, task: Callable[..., object], args: tuple[object, ...]
     ) -> None:
-        if self._closing.wait(max(0.0, submitted + BOOKKEEPING_DELAY_S - time.monotonic())):
-            task(*args)  # closing: the streams are closed, nothing to wait for
-            return
-        self.first_layers.wait_until_clear(submitted + BOOKKEEPING_HOLD_S)
+        # Once the cache closes, its streams are closed: nothing to wait for.
+        if not self._closing.wait(max(0.0, submitted + BOOKKEEPING_DELAY_S - time.monotonic())):
+            self.first_layers.wait_until_clear(submitted + BOOKKEEPING_HOLD_S)
         task(*args)
 
     def track_stream(self, stream: LoadStream) -> None:

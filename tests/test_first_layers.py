@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 from sqlalchemy import select
@@ -21,18 +20,9 @@ from tenantkv import CacheMissError, InvalidRequestError, TenantKV
 from tenantkv.first_layers import FirstLayerGate
 from tenantkv.index.schema import Extent
 from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+from tests.test_tenants import wait_for
 
 TOKENS = 64  # one block
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> float:
-    """Seconds until ``condition`` held; fails after ``timeout``."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
-    return time.monotonic() - start
 
 
 def _last_used(kv: TenantKV) -> dict[str, float]:
@@ -143,8 +133,8 @@ def test_record_of_use_waits_for_a_load_before_its_first_layer(
         assert _last_used(kv)[ids[0]] == stored[ids[0]], "bookkeeping ran before a first layer"
         waiting.wait_for_layer(0)
         # Control: the record lands once that load has its first layer (well within the bound).
-        _wait_for(lambda: _last_used(kv)[ids[0]] > stored[ids[0]])
-    _wait_for(lambda: _last_used(kv)[ids[1]] > stored[ids[1]])  # and the second load's
+        wait_for(lambda: _last_used(kv)[ids[0]] > stored[ids[0]])
+    wait_for(lambda: _last_used(kv)[ids[1]] > stored[ids[1]])  # and the second load's
 
 
 def test_record_of_use_waits_at_most_the_bound(
@@ -155,7 +145,7 @@ def test_record_of_use_waits_at_most_the_bound(
     stored = _last_used(kv)
     load_all(ns, tokens[0])
     with ns.load(tokens[1]):  # never read: before its first layer all along
-        _wait_for(lambda: _last_used(kv)[ids[0]] > stored[ids[0]])
+        wait_for(lambda: _last_used(kv)[ids[0]] > stored[ids[0]])
         assert kv.context.runtime.first_layers.held == 1  # it ran while the load still waited
 
 
@@ -178,7 +168,7 @@ def test_a_stream_dropped_unclosed_lets_go_of_the_gate(kv: TenantKV) -> None:
     ns, tokens, _ids = _two_prefixes(kv)
     gate = kv.context.runtime.first_layers
     ns.load(tokens[1])  # dropped at once, never read nor closed
-    _wait_for(lambda: gc.collect() >= 0 and gate.held == 0)
+    wait_for(lambda: gc.collect() >= 0 and gate.held == 0)
     with ns.load(tokens[0]):  # control: a load that is kept holds it
         gc.collect()
         assert gate.held == 1
