@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 try:
     import psutil  # type: ignore[import-untyped]
@@ -323,6 +324,34 @@ def plot_results(results: Sequence[Result], path: Path, title: str) -> None:
 
 def min_med_max(values: Sequence[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
+
+
+def median_bars(
+    ax: Any,
+    positions: Sequence[float],
+    samples: Sequence[Sequence[float]],
+    width: float,
+    *,
+    label: str,
+    color: str | None = None,
+) -> None:
+    """One bar per sample at its median, with whiskers to its min and max (a grouped bar
+    chart's series: one call per series, shifted by ``width``)."""
+    medians = [statistics.median(values) for values in samples]
+    errors = [
+        [median - min(values) for median, values in zip(medians, samples, strict=True)],
+        [max(values) - median for median, values in zip(medians, samples, strict=True)],
+    ]
+    ax.bar(
+        positions,
+        medians,
+        width,
+        yerr=errors,
+        capsize=3,
+        label=label,
+        color=color,
+        edgecolor="black",
+    )
 
 
 def format_stats_table(

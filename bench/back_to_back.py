@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import format_stats_table, machine_info, print_kv
+from _common import format_stats_table, machine_info, median_bars, print_kv
 
 import tenantkv
 
@@ -138,20 +138,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         width = 0.38
         for i, case in enumerate((BASELINE, HELD)):
             values = [[v * 1e3 for v in result["timings"][case][part]] for part in parts]
-            medians = [statistics.median(v) for v in values]
-            errors = [
-                [m - min(v) for m, v in zip(medians, values, strict=True)],
-                [max(v) - m for m, v in zip(medians, values, strict=True)],
-            ]
-            ax.bar(
+            median_bars(
+                ax,
                 [x + i * width for x in range(len(parts))],
-                medians,
+                values,
                 width,
-                yerr=errors,
-                capsize=3,
                 label=case,
                 color="#999999" if case == BASELINE else None,
-                edgecolor="black",
             )
         ax.set_xticks([x + width / 2 for x in range(len(parts))], parts)
         ax.set_ylabel("ms from the call (median, min-max)")

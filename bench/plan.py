@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import format_stats_table, machine_info, print_kv
+from _common import format_stats_table, machine_info, median_bars, print_kv
 from fleet import DEFAULT_POSTGRES, LOOKUP_LAYOUT, PostgresSchema
 
 import tenantkv
@@ -126,20 +126,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
             values = [
                 [s * 1e3 for s in report["runs"][index][size]["timings"][name]] for size in sizes
             ]
-            medians = [statistics.median(v) for v in values]
-            errors = [
-                [m - min(v) for m, v in zip(medians, values, strict=True)],
-                [max(v) - m for m, v in zip(medians, values, strict=True)],
-            ]
-            ax.bar(
+            median_bars(
+                ax,
                 [x + i * width for x in range(len(sizes))],
-                medians,
+                values,
                 width,
-                yerr=errors,
-                capsize=3,
                 label=name,
                 color="#999999" if name == BASELINE else None,
-                edgecolor="black",
             )
         ax.set_xticks(
             [x + width * (len(names) - 1) / 2 for x in range(len(sizes))],
