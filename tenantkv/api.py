@@ -99,6 +99,7 @@ class TenantKV:
         except SQLAlchemyError as err:
             logger.warning("metering could not be saved at close: %s", err)
         runtime.shutdown()
+        self._ctx.uses.flush()  # records of use whose batch the shutdown cancelled
         self._ctx.leases.release_all()  # loads whose bookkeeping the shutdown cancelled
         self._ctx.blocks.close()
         self._ctx.index.close()

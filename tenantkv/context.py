@@ -29,6 +29,7 @@ from .metrics import DataPlaneMetrics, new_metrics
 from .runtime import Runtime
 from .serving import ServingPolicy
 from .storage import BlockStore, TieredBlockStore
+from .use_records import UseRecords
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class CacheContext:
     audit: AuditLog
     remover: ExtentRemover
     leases: LeaseKeeper
+    #: Loads' records of use, written in batches after first layers (use_records.py).
+    uses: UseRecords
     key_epoch: KeyEpochWatcher
     #: Block keys this node's lookups found present, per namespace (a cache of the index).
     lookups: LookupCache
@@ -71,6 +74,7 @@ def build_context(
     attribution = Attribution(f"python-api@{socket.gethostname()}:{os.getpid()}", ROLE_OPERATOR)
     health = HealthCounters()
     remover = ExtentRemover(index, blocks)
+    runtime = Runtime(config)
     incidents = SecurityIncidents(index, audit, attribution)
     metrics = new_metrics(
         tenant_labels=config.metrics_tenant_labels,
@@ -87,7 +91,7 @@ def build_context(
         index=index,
         blocks=blocks,
         keys=keys,
-        runtime=Runtime(config),
+        runtime=runtime,
         meter=Meter(),
         incidents=incidents,
         health=health,
@@ -98,6 +102,9 @@ def build_context(
         leases=LeaseKeeper(
             index, remover, node_id=new_node_id(), lease_seconds=config.lease_seconds
         ),
+        # The runtime's submit_background is looked up at each batch, so that tests and
+        # benchmarks can redirect the cache's bookkeeping.
+        uses=UseRecords(index, blocks, remover, lambda task: runtime.submit_background(task)),
         key_epoch=KeyEpochWatcher(index, keys),
         lookups=LookupCache(config.lookup_cache_keys),
         attribution=attribution,

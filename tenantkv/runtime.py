@@ -2,8 +2,8 @@
 
 Built once by ``tenantkv.open`` and shared by every service. Stores seal on their own pool and
 loads read on theirs, so a large store never delays a load's first layer; bookkeeping after a
-load runs on a bookkeeping thread of its own, once no load is before its first layer
-(``first_layers.py``). Closing stops everything in order: open streams first (their chunks must
+load (a batch of records of use, ``use_records.py``) runs on a bookkeeping thread of its own,
+once no load is before its first layer (``first_layers.py``). Closing stops everything in order: open streams first (their chunks must
 finish before the pools go away), then the pools.
 """
 
@@ -43,7 +43,8 @@ class Runtime:
         self.load_executor = ThreadPoolExecutor(
             self.load_threads, thread_name_prefix="tenantkv-load"
         )
-        # One thread: bookkeeping that waits for a first layer never holds a load's worker.
+        # One thread: bookkeeping that waits for a first layer never holds a load's worker;
+        # it keeps up with many small loads because each task writes a batch of them.
         self.bookkeeping_executor = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-books")
         #: Loads before their first layer; bookkeeping waits for them (first_layers.py).
         self.first_layers = FirstLayerGate()
@@ -83,7 +84,7 @@ class Runtime:
         return {("pinned" if pinned else "host"): ring.stats() for pinned, ring in rings.items()}
 
     def submit_background(self, task: Callable[..., object], *args: object) -> None:
-        """Run bookkeeping (a load's record of use) on the bookkeeping thread, at least
+        """Run bookkeeping (a batch of loads' records of use) on the bookkeeping thread, at least
         ``BOOKKEEPING_DELAY_S`` later and once no load is before its first layer (waiting at
         most until ``BOOKKEEPING_HOLD_S`` after now). Once the cache closes, what has not
         started is dropped (never raised), and what waits runs at once."""

@@ -29,7 +29,7 @@ version was retired, which the caller must treat as a miss).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,22 +330,24 @@ def _touch(classes: int) -> Update:
 
 
 def record_use(
-    connection: Connection, tenant_id: bytes, extent_ids: list[str], now: float
+    connection: Connection, tenant_id: bytes, uses: Mapping[float, Collection[str]]
 ) -> dict[str, float]:
-    """Mark a tenant's extents as used at ``now``: each one's retention (by its class) restarts
-    and LRU eviction sees the use. Runs after a load, in the background -- but on 2 cores it
-    competes for the interpreter with the next load's first layer, hence Core statements, and
-    two of them (read the retention, update the extents) however many classes the tenant has.
-    Returns the tenant's retention classes (none if it was deleted), for block stores that
-    expire extents themselves."""
+    """Mark a tenant's extents as used: ``uses`` maps a time to the extents used then. Each
+    one's retention (by its class) restarts and LRU eviction sees the use. Runs after loads, in
+    the background -- but on 2 cores it competes for the interpreter with the next load's first
+    layer, hence Core statements: one to read the retention, then one UPDATE per time however
+    many classes the tenant has. Returns the tenant's retention classes (none if it was
+    deleted), for block stores that expire extents themselves."""
     retention_text = connection.execute(_RETENTION, {"tenant_id": tenant_id}).scalar()
     if retention_text is None:
         return {}  # the tenant was deleted meanwhile
     classes = loads_retention(retention_text)
-    if not classes or not extent_ids:
+    if not classes:
         return classes
-    connection.execute(
-        _touch(len(classes)),
-        {"ids": extent_ids, "used_at": now, **retention_parameters(classes)},
-    )
+    for used_at, extent_ids in uses.items():
+        if extent_ids:
+            connection.execute(
+                _touch(len(classes)),
+                {"ids": list(extent_ids), "used_at": used_at, **retention_parameters(classes)},
+            )
     return classes

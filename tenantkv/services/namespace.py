@@ -39,8 +39,8 @@ from ..errors import (
 from ..extent_format import ExtentGeometry
 from ..first_layers import FirstLayerHold
 from ..health import LOST_EXTENTS
-from ..index import blocks, extents, namespaces, removals
-from ..index.plan import ExtentRow, locate_blocks, record_use
+from ..index import blocks, namespaces, removals
+from ..index.plan import ExtentRow, locate_blocks
 from ..index.quota import Evicted, make_room
 from ..index.schema import Extent
 from ..index.schema import Namespace as NamespaceRow
@@ -798,9 +798,8 @@ class Namespace:
     ) -> None:
         """After a load: end its lease now (so eviction, GC and re-sealing see the extents as
         free the moment the load is closed, whatever the background pool is doing), meter it,
-        observe it in the metrics (here, once per load, off the path to its layers), and in the
-        background record the use and remove the bytes of extents that left the index while
-        the lease kept them."""
+        observe it in the metrics (here, once per load, off the path to its layers), and record
+        its use (written in a batch in the background, use_records.py)."""
         self._ctx.leases.release(lease, remove_unindexed=False)
         delivered = stream.delivered_layers
         if delivered == stream.num_layers:
@@ -814,28 +813,7 @@ class Namespace:
             else None,
             first_layer_seconds=None if first is None else first - requested,
         )
-        self._ctx.runtime.submit_background(self._touch, extent_ids, started)
-
-    def _touch(self, extent_ids: list[str], now: float) -> None:
-        """Mark extents as used at ``now`` (their retention restarts and LRU eviction sees
-        the use), then remove the bytes of any extent that left the index while the lease kept
-        them. Bookkeeping only: never fails a load."""
-        try:
-            with self._ctx.index.write_connection() as connection:
-                classes = record_use(connection, self.identity.tenant_id, extent_ids, now)
-                gone = set(extent_ids) - extents.indexed(connection, extent_ids)
-        except SQLAlchemyError as err:
-            logger.warning("could not record extent use: %s", err)
-            return  # bytes of extents that left the index are the orphan sweep's then
-        if classes and self._ctx.blocks.capabilities.expires:
-            # The store forgets extents by itself: restart their TTL too, by the tenant's
-            # longest class (never shorter than the index's expiry; GC removes them first).
-            try:
-                self._ctx.blocks.retain(set(extent_ids) - gone, max(classes.values()))
-            except StorageError as err:
-                logger.warning("could not extend extent TTLs in the block store: %s", err)
-        if gone:
-            self._ctx.remover.remove_bytes(gone)
+        self._ctx.uses.record(self.identity.tenant_id, extent_ids, started)
 
     def _meter(self, **counts: int) -> None:
         self._ctx.meter.add(self.identity.tenant_id, self.scope or "", self._ctx.clock(), **counts)

@@ -1,0 +1,252 @@
+"""Records of use are written in batches (tenantkv.use_records).
+
+Loads that close while a batch waits for its turn join it: one write transaction for all of
+them, each extent written once at its latest use. Records still pending when the cache closes
+are written by the close. Every check that a write was batched or deferred has its positive
+control: the records do land, with the loads' times.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import event, select
+from sqlalchemy.exc import OperationalError
+
+import tenantkv
+import tenantkv.use_records
+from tenantkv import TenantKV
+from tenantkv.index.schema import Extent, Tenant
+from tests.helpers import MLA_SMALL, ManualClock, load_all, random_layers, random_tokens
+from tests.test_tenants import open_cache
+
+TOKENS = 64  # one block: one extent per prefix
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(1_000_000.0)
+
+
+@pytest.fixture
+def master_key() -> bytes:
+    return secrets.token_bytes(32)
+
+
+@pytest.fixture
+def cache(cache_root: Path, clock: ManualClock, master_key: bytes) -> Iterator[TenantKV]:
+    kv = open_cache(cache_root, clock, master_key)
+    try:
+        yield kv
+    finally:
+        kv.close()
+
+
+def _last_used(kv: TenantKV) -> dict[str, float]:
+    with kv.context.index.read() as session:
+        return dict(session.execute(select(Extent.id, Extent.last_used_at)).all())
+
+
+def _held_background(kv: TenantKV) -> list[Callable[..., object]]:
+    """Keep what the cache hands to its bookkeeping thread, for the test to run (or not)."""
+    tasks: list[Callable[..., object]] = []
+    kv.context.runtime.submit_background = (  # type: ignore[method-assign]
+        lambda task, *args: tasks.append(lambda: task(*args))
+    )
+    return tasks
+
+
+def _prefixes(
+    kv: TenantKV, tenant: str, seeds: tuple[int, ...]
+) -> tuple[tenantkv.Namespace, dict[int, list[int]], dict[int, str]]:
+    """A tenant holding a one-block prefix per seed; their tokens and extent ids by seed."""
+    kv.create_tenant(tenant, quota_bytes=2**24)
+    ns = kv.namespace(tenant, model="m", layout=MLA_SMALL)
+    tokens, ids = {}, {}
+    for seed in seeds:
+        before = set(_last_used(kv))
+        tokens[seed] = random_tokens(TOKENS, seed=seed)
+        assert ns.store(tokens[seed], random_layers(MLA_SMALL, TOKENS, seed=seed)) == TOKENS
+        (ids[seed],) = set(_last_used(kv)) - before
+    return ns, tokens, ids
+
+
+def _write_transactions(kv: TenantKV, run: Callable[[], None]) -> int:
+    """How many write transactions committed while ``run`` ran."""
+    commits = 0
+
+    def count(_connection: object) -> None:
+        nonlocal commits
+        commits += 1
+
+    engine = kv.context.index.engine
+    event.listen(engine, "commit", count)
+    try:
+        run()
+    finally:
+        event.remove(engine, "commit", count)
+    return commits
+
+
+def test_loads_closed_while_a_batch_waits_are_written_in_one_transaction(
+    cache: TenantKV, clock: ManualClock
+) -> None:
+    a, a_tokens, a_ids = _prefixes(cache, "a", (1, 2))
+    b, b_tokens, b_ids = _prefixes(cache, "b", (3,))
+    stored = _last_used(cache)
+    tasks = _held_background(cache)
+    times = {}
+    for seed, ns, tokens in (
+        (1, a, a_tokens),
+        (2, a, a_tokens),
+        (3, b, b_tokens),
+        (1, a, a_tokens),
+    ):
+        times[seed] = clock.advance(10.0)
+        load_all(ns, tokens[seed])
+    assert len(tasks) == 1, "only the batch's first record hands a write to the background"
+    assert _last_used(cache) == stored, "nothing written before the batch runs"
+    assert cache.context.uses.pending == 3
+    assert _write_transactions(cache, tasks[0]) == 1
+    # Control: every load's use landed, each extent at its latest load (seed 1 twice).
+    used = _last_used(cache)
+    for seed, extent_id in {**a_ids, **b_ids}.items():
+        assert used[extent_id] == times[seed] > stored[extent_id]
+    assert cache.context.uses.pending == 0
+    assert (cache.context.uses.recorded, cache.context.uses.written) == (4, 4)
+    # The next load starts a new batch.
+    load_all(a, a_tokens[2])
+    assert len(tasks) == 2
+
+
+def test_a_batch_keeps_the_latest_use_whatever_order_loads_close_in(cache: TenantKV) -> None:
+    _ns, _tokens, ids = _prefixes(cache, "a", (1,))
+    tasks = _held_background(cache)
+    tenant_id = _tenant_ids(cache)["a"]
+    uses = cache.context.uses
+    uses.record(tenant_id, [ids[1]], 2_000_000.0)
+    uses.record(tenant_id, [ids[1]], 1_500_000.0)  # a load that started earlier closes later
+    assert len(tasks) == 1
+    tasks[0]()
+    assert _last_used(cache)[ids[1]] == 2_000_000.0
+
+
+def test_records_pending_at_close_are_written_by_the_close(
+    cache_root: Path, clock: ManualClock, master_key: bytes
+) -> None:
+    kv = open_cache(cache_root, clock, master_key)
+    try:
+        ns, tokens, ids = _prefixes(kv, "a", (1,))
+        stored = _last_used(kv)
+        tasks = _held_background(kv)  # never run: as if the shutdown cancelled the batch
+        used_at = clock.advance(10.0)
+        load_all(ns, tokens[1])
+        assert tasks and _last_used(kv) == stored
+    finally:
+        kv.close()
+    reopened = open_cache(cache_root, clock, master_key)
+    try:
+        assert _last_used(reopened)[ids[1]] == used_at > stored[ids[1]]
+    finally:
+        reopened.close()
+
+
+def test_a_failed_batch_is_logged_and_the_next_one_is_written(
+    cache: TenantKV,
+    clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ns, tokens, ids = _prefixes(cache, "a", (1,))
+    stored = _last_used(cache)
+    tasks = _held_background(cache)
+
+    def unreachable(*_args: object) -> dict[str, float]:
+        raise OperationalError("UPDATE", {}, Exception("index unreachable"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tenantkv.use_records, "record_use", unreachable)
+        clock.advance(10.0)
+        load_all(ns, tokens[1])
+        with caplog.at_level(logging.WARNING, logger="tenantkv"):
+            tasks[0]()  # raises nothing: bookkeeping never fails a load or a close
+    assert "could not record extent use" in caplog.text
+    assert _last_used(cache) == stored and cache.context.uses.pending == 0
+    assert (cache.context.uses.written, cache.context.uses.failed) == (0, 1)
+    # Control: with the index back, the next load's batch is written.
+    used_at = clock.advance(10.0)
+    load_all(ns, tokens[1])
+    assert len(tasks) == 2
+    tasks[1]()
+    assert _last_used(cache)[ids[1]] == used_at
+
+
+# One step: record a use (tenant, prefix, seconds after the start), or write the batch (None).
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(("a", "b")), st.integers(1, 2), st.integers(0, 1_000)),
+        st.none(),
+    ),
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(steps=_STEPS)
+def test_written_uses_match_a_model_of_latest_use_per_batch(
+    cache: TenantKV, steps: list[tuple[str, int, int] | None]
+) -> None:
+    """Whatever the order of records and writes, a written batch leaves each of its extents at
+    its latest use in that batch, and the other extents as they were."""
+    uses = cache.context.uses
+    if not cache.list_tenants():  # the cache is shared by the examples: set it up once
+        for tenant, seeds in (("a", (1, 2)), ("b", (3, 4))):
+            _prefixes(cache, tenant, seeds)
+    tenants = _tenant_ids(cache)
+    extents = _extents_by_tenant(cache)
+    tasks = _held_background(cache)
+    uses.flush()  # a previous example's leftovers
+    model = _last_used(cache)
+    batch: dict[str, float] = {}
+    for step in [*steps, None]:
+        if step is None:
+            for task in tasks:
+                task()
+            tasks.clear()
+            model.update(batch)
+            batch = {}
+            assert _last_used(cache) == model
+            continue
+        tenant, which, offset = step
+        extent_id = extents[tenant][which - 1]
+        used_at = 2_000_000.0 + offset
+        uses.record(tenants[tenant], [extent_id], used_at)
+        batch[extent_id] = max(batch.get(extent_id, used_at), used_at)
+    assert uses.pending == 0
+
+
+def _tenant_ids(kv: TenantKV) -> dict[str, bytes]:
+    with kv.context.index.read() as session:
+        return dict(session.execute(select(Tenant.name, Tenant.id)).all())
+
+
+def _extents_by_tenant(kv: TenantKV) -> dict[str, list[str]]:
+    """Each tenant's extent ids, sorted."""
+    with kv.context.index.read() as session:
+        rows = session.execute(
+            select(Tenant.name, Extent.id).join(Extent, Extent.tenant_id == Tenant.id)
+        ).all()
+    found: dict[str, list[str]] = {}
+    for name, extent_id in rows:
+        found.setdefault(name, []).append(extent_id)
+    return {name: sorted(ids) for name, ids in found.items()}
