@@ -375,3 +375,26 @@ def format_stats_table(
         cells = "  ".join(f"{v:>{col_w}.{digits}f}" for v in (lo, mid, hi))
         lines.append(f"{name:<{name_w}}  {cells}" + (f"  {note}" if note else ""))
     return "\n".join(lines)
+
+
+def finish_ab(
+    heading: str,
+    verdicts: dict[str, dict[str, float]],
+    out: Path,
+    name: str,
+    plot: Callable[[Path], None],
+    results: Any,
+) -> None:
+    """The end of an A/B benchmark: print each label's ratios of medians under ``heading``,
+    draw ``out/<name>.png`` with ``plot`` and write ``out/<name>.json``."""
+    import json
+
+    print(f"\n{heading}")
+    for label, ratios in verdicts.items():
+        print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    out.mkdir(parents=True, exist_ok=True)
+    plot(out / f"{name}.png")
+    (out / f"{name}.json").write_text(
+        json.dumps({"results": results, "ratios": verdicts}, indent=1)
+    )
+    print(f"\nwrote {out / name}.png and {name}.json")

@@ -24,7 +24,6 @@ Run:  .venv/bin/python bench/back_to_back.py [--tokens 8192,131072] [--layers 61
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import format_stats_table, machine_info, median_bars, print_kv
+from _common import finish_ab, format_stats_table, machine_info, median_bars, print_kv
 
 import tenantkv
 
@@ -174,15 +173,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="tkv-b2b-", dir=args.dir) as root:
             results.append(measure(Path(root), num_tokens, num_layers, args.rounds, args.loads))
     verdicts = report(results)
-    print("\nMedians, held / before (below 1: sooner):")
-    for label, ratios in verdicts.items():
-        print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out / "back_to_back.png")
-    (args.out / "back_to_back.json").write_text(
-        json.dumps({"results": results, "ratios": verdicts}, indent=1)
+    finish_ab(
+        "Medians, held / before (below 1: sooner):",
+        verdicts,
+        args.out,
+        "back_to_back",
+        lambda path: plot(results, path),
+        results,
     )
-    print(f"\nwrote {args.out / 'back_to_back.png'} and back_to_back.json")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Run:  .venv/bin/python bench/use_records.py [--seconds 3] [--rounds 3] [--thread
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import threading
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import format_stats_table, machine_info, median_bars, print_kv
+from _common import finish_ab, format_stats_table, machine_info, median_bars, print_kv
 from fleet import DEFAULT_POSTGRES, PostgresSchema
 
 import tenantkv
@@ -240,15 +239,14 @@ def main() -> None:
         finally:
             schema.drop()
     verdicts = report(results)
-    print("\nMedians, batched / before (loads/s above 1: more; backlog below 1: shorter):")
-    for label, ratios in verdicts.items():
-        print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out / "use_records.png")
-    (args.out / "use_records.json").write_text(
-        json.dumps({"results": results, "ratios": verdicts}, indent=1)
+    finish_ab(
+        "Medians, batched / before (loads/s above 1: more; backlog below 1: shorter):",
+        verdicts,
+        args.out,
+        "use_records",
+        lambda path: plot(results, path),
+        results,
     )
-    print(f"\nwrote {args.out / 'use_records.png'} and use_records.json")
 
 
 if __name__ == "__main__":
