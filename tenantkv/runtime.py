@@ -3,8 +3,8 @@
 Built once by ``tenantkv.open`` and shared by every service. Stores seal on their own pool and
 loads read on theirs, so a large store never delays a load's first layer; bookkeeping after a
 load (a batch of records of use, ``use_records.py``) runs on a bookkeeping thread of its own,
-once no load is before its first layer (``first_layers.py``). Closing stops everything in order: open streams first (their chunks must
-finish before the pools go away), then the pools.
+once no load is before its first layer (``first_layers.py``). Closing stops everything in
+order: open streams first (their chunks must finish before the pools go away), then the pools.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ after the load closes, in the background (``Runtime.submit_background``: after t
 first layers). One write transaction per load capped the bookkeeping thread at its commit rate:
 small loads on PostgreSQL (1.5-2 ms a commit) arrived faster than that, and the backlog, and the
 delay of every record in it, grew without bound (docs/perf.md, "Records of use in batches").
-So records wait here and one transaction writes all those that arrived while the last batch
-waited for its turn; an extent loaded several times in a batch is written once, at its latest
-use. What has not been written when the cache closes is written by :meth:`UseRecords.flush`.
+So records wait here, and a batch writes all those that arrived while it waited for its turn:
+one transaction per tenant (not one for all: a tenant's transaction locks its row, and one
+tenant's writers must not hold up another's stores through a shared batch); an extent loaded
+several times in a batch is written once, at its latest use. What has not been written when
+the cache closes is written by :meth:`UseRecords.flush`.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class UseRecords:
         self._lock = threading.Lock()
         #: tenant id -> extent id -> time of its latest use not yet written.
         self._pending: dict[bytes, dict[str, float]] = {}
-        self._pending_loads = 0
+        #: tenant id -> loads whose use waits in ``_pending``.
+        self._pending_loads: dict[bytes, int] = {}
         #: Loads recorded, loads whose use was written, and loads whose batch failed (for
         #: benchmarks and operators: ``recorded - written - failed`` wait to be written).
         self.recorded = 0
@@ -58,7 +61,7 @@ class UseRecords:
         with self._lock:
             starts_batch = not self._pending
             self.recorded += 1
-            self._pending_loads += 1
+            self._pending_loads[tenant_id] = self._pending_loads.get(tenant_id, 0) + 1
             uses = self._pending.setdefault(tenant_id, {})
             for extent_id in extent_ids:
                 if uses.get(extent_id, used_at) <= used_at:
@@ -73,26 +76,20 @@ class UseRecords:
             return sum(len(uses) for uses in self._pending.values())
 
     def flush(self) -> None:
-        """Write every pending record in one transaction, then remove the bytes of extents
-        that left the index while loads kept them. Bookkeeping only: never raises for the
-        index or the store (logged; the orphan sweep removes bytes left behind)."""
+        """Write every pending record, a transaction per tenant, then remove the bytes of
+        extents that left the index while loads kept them. Bookkeeping only: never raises for
+        the index or the store (logged; the orphan sweep removes bytes left behind)."""
         with self._lock:
             batch, self._pending = self._pending, {}
-            loads, self._pending_loads = self._pending_loads, 0
-        if not batch:
-            return
-        retained: dict[bytes, tuple[set[str], float]] = {}
+            loads, self._pending_loads = self._pending_loads, {}
+        for tenant_id in sorted(batch):
+            self._write(tenant_id, batch[tenant_id], loads.get(tenant_id, 0))
+
+    def _write(self, tenant_id: bytes, uses: dict[str, float], loads: int) -> None:
         try:
             with self._db.write_connection() as connection:
-                # In tenant-id order, the order every transaction locks tenant rows in
-                # (quota.lock_tenants): record_use locks each tenant's row for share.
-                for tenant_id in sorted(batch):
-                    uses = batch[tenant_id]
-                    classes = record_use(connection, tenant_id, _by_time(uses))
-                    if classes:
-                        retained[tenant_id] = (set(uses), max(classes.values()))
-                ids = {extent_id for uses in batch.values() for extent_id in uses}
-                gone = ids - extents.indexed(connection, ids)
+                classes = record_use(connection, tenant_id, _by_time(uses))
+                gone = set(uses) - extents.indexed(connection, uses)
         except SQLAlchemyError as err:
             logger.warning("could not record extent use: %s", err)
             with self._lock:
@@ -100,14 +97,13 @@ class UseRecords:
             return  # bytes of extents that left the index are the orphan sweep's then
         with self._lock:
             self.written += loads
-        if self._blocks.capabilities.expires:
+        if classes and self._blocks.capabilities.expires:
             # The store forgets extents by itself: restart their TTL too, by the tenant's
             # longest class (never shorter than the index's expiry; GC removes them first).
-            for kept, ttl in retained.values():
-                try:
-                    self._blocks.retain(kept - gone, ttl)
-                except StorageError as err:
-                    logger.warning("could not extend extent TTLs in the block store: %s", err)
+            try:
+                self._blocks.retain(set(uses) - gone, max(classes.values()))
+            except StorageError as err:
+                logger.warning("could not extend extent TTLs in the block store: %s", err)
         if gone:
             try:
                 self._remover.remove_bytes(gone)

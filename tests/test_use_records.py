@@ -1,9 +1,9 @@
 """Records of use are written in batches (tenantkv.use_records).
 
-Loads that close while a batch waits for its turn join it: one write transaction for all of
-them, each extent written once at its latest use. Records still pending when the cache closes
-are written by the close. Every check that a write was batched or deferred has its positive
-control: the records do land, with the loads' times.
+Loads that close while a batch waits for its turn join it: one write transaction per tenant
+for all of them, each extent written once at its latest use. Records still pending when the
+cache closes are written by the close. Every check that a write was batched or deferred has its
+positive control: the records do land, with the loads' times.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _write_transactions(kv: TenantKV, run: Callable[[], None]) -> int:
     return commits
 
 
-def test_loads_closed_while_a_batch_waits_are_written_in_one_transaction(
+def test_loads_closed_while_a_batch_waits_are_written_in_a_transaction_per_tenant(
     cache: TenantKV, clock: ManualClock
 ) -> None:
     a, a_tokens, a_ids = _prefixes(cache, "a", (1, 2))
@@ -113,7 +113,7 @@ def test_loads_closed_while_a_batch_waits_are_written_in_one_transaction(
     assert len(tasks) == 1, "only the batch's first record hands a write to the background"
     assert _last_used(cache) == stored, "nothing written before the batch runs"
     assert cache.context.uses.pending == 3
-    assert _write_transactions(cache, tasks[0]) == 1
+    assert _write_transactions(cache, tasks[0]) == 2  # tenants a and b: 4 loads
     # Control: every load's use landed, each extent at its latest load (seed 1 twice).
     used = _last_used(cache)
     for seed, extent_id in {**a_ids, **b_ids}.items():
@@ -185,6 +185,33 @@ def test_a_failed_batch_is_logged_and_the_next_one_is_written(
     assert len(tasks) == 2
     tasks[1]()
     assert _last_used(cache)[ids[1]] == used_at
+
+
+def test_one_tenants_failed_write_does_not_drop_anothers_records(
+    cache: TenantKV, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, a_tokens, a_ids = _prefixes(cache, "a", (1,))
+    b, b_tokens, b_ids = _prefixes(cache, "b", (2,))
+    stored = _last_used(cache)
+    tasks = _held_background(cache)
+    failing = _tenant_ids(cache)["b"]
+    record_use = tenantkv.use_records.record_use
+
+    def fails_for_b(connection: object, tenant_id: bytes, uses: object) -> dict[str, float]:
+        if tenant_id == failing:
+            raise OperationalError("SELECT", {}, Exception("row lock timeout"))
+        return record_use(connection, tenant_id, uses)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tenantkv.use_records, "record_use", fails_for_b)
+    used_at = clock.advance(10.0)
+    load_all(a, a_tokens[1])
+    load_all(b, b_tokens[2])
+    assert len(tasks) == 1
+    tasks[0]()
+    assert _last_used(cache)[b_ids[2]] == stored[b_ids[2]]
+    # Control: the other tenant's use, in the same batch, was written.
+    assert _last_used(cache)[a_ids[1]] == used_at > stored[a_ids[1]]
+    assert (cache.context.uses.written, cache.context.uses.failed) == (1, 1)
 
 
 # One step: record a use (tenant, prefix, seconds after the start), or write the batch (None).
