@@ -8,7 +8,8 @@ thread. Small loads (a 64-token, one-layer DeepSeek-V3 shaped MLA prefix: 72 KiB
 the backlog of loads whose use is not yet written grows for as long as they come. For each
 index (SQLite in the cache's directory, and a schema of its own on ``--postgres``) and each
 workload (one prefix again and again; ``--prefixes`` prefixes in turn, so every load's extent
-is another), each case loads for ``--seconds``, ``--rounds`` times, the cases alternating.
+is another; one prefix in each of ``--tenants`` tenants in turn, a transaction per tenant in
+a batch), each case loads for ``--seconds``, ``--rounds`` times, the cases alternating.
 
 Output: min / median / max of loads per second (per ``--window`` of a run), of the backlog
 (loads recorded but not yet written, sampled every 50 ms) and of the time from the last
@@ -16,7 +17,7 @@ load's end to the last record written (the drain); ratios of medians to the base
 same run; ``bench/results/use_records.png`` and ``use_records.json`` (``--out``).
 
 Run:  .venv/bin/python bench/use_records.py [--seconds 3] [--rounds 3] [--threads 4]
-      [--prefixes 64] [--postgres postgresql+psycopg://postgres@127.0.0.1:5432/test]
+      [--prefixes 64] [--tenants 16] [--postgres postgresql+psycopg://postgres@127.0.0.1:5432/test]
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ def per_load(kv: tenantkv.TenantKV) -> None:
 
 def run_case(
     kv: tenantkv.TenantKV,
-    ns: tenantkv.Namespace,
-    prefixes: list[list[int]],
+    prefixes: list[tuple[tenantkv.Namespace, list[int]]],
     threads: int,
     seconds: float,
     window: float,
@@ -85,7 +85,8 @@ def run_case(
     def loader(offset: int) -> None:
         turn = offset
         while time.monotonic() < stop:
-            with ns.load(prefixes[turn % len(prefixes)]) as stream:
+            ns, tokens = prefixes[turn % len(prefixes)]
+            with ns.load(tokens) as stream:
                 for _ in stream:
                     pass
             turn += threads
@@ -127,23 +128,33 @@ def measure(
     settings: dict[str, Any] = {"durable": False}
     if database_url is not None:
         settings["database_url"] = database_url
-    workloads = {"one prefix": 1, f"{args.prefixes} prefixes in turn": args.prefixes}
+    workloads = {
+        "one prefix": 1,
+        f"{args.prefixes} prefixes in turn": args.prefixes,
+        f"{args.tenants} tenants in turn": args.tenants,
+    }
     results: dict[str, dict[str, dict[str, list[float]]]] = {
         workload: {case: {} for case in (BASELINE, BATCHED)} for workload in workloads
     }
     generator = torch.Generator().manual_seed(1)
     with tenantkv.open(root, **settings) as kv:
-        kv.create_tenant("bench", quota_bytes=2**32)
-        ns = kv.namespace("bench", model="deepseek-v3", layout=LAYOUT)
-        prefixes = []
-        for seed in range(args.prefixes):
-            tokens = [seed * TOKENS + i for i in range(TOKENS)]
-            layer = torch.randn(TOKENS, 576, generator=generator).to(torch.bfloat16)
-            assert ns.store(tokens, [layer]) == TOKENS
-            prefixes.append(tokens)
+        namespaces = []
+        for tenant in range(args.tenants):
+            kv.create_tenant(f"bench-{tenant}", quota_bytes=2**32)
+            namespaces.append(kv.namespace(f"bench-{tenant}", model="m", layout=LAYOUT))
+        stored: dict[str, list[tuple[tenantkv.Namespace, list[int]]]] = {}
+        for number, (workload, count) in enumerate(workloads.items()):
+            stored[workload] = []
+            for seed in range(number * 1_000, number * 1_000 + count):
+                # The tenants' workload: one prefix in each; the others in the first tenant.
+                ns = namespaces[seed % 1_000] if "tenants" in workload else namespaces[0]
+                tokens = [seed * TOKENS + i for i in range(TOKENS)]
+                layer = torch.randn(TOKENS, 576, generator=generator).to(torch.bfloat16)
+                assert ns.store(tokens, [layer]) == TOKENS
+                stored[workload].append((ns, tokens))
         batched_record = kv.context.uses.record
         for round_index in range(args.rounds):
-            for workload, count in workloads.items():
+            for workload in workloads:
                 cases = [BASELINE, BATCHED] if round_index % 2 == 0 else [BATCHED, BASELINE]
                 for case in cases:
                     if case == BASELINE:
@@ -151,7 +162,7 @@ def measure(
                     else:
                         kv.context.uses.record = batched_record  # type: ignore[method-assign]
                     measured = run_case(
-                        kv, ns, prefixes[:count], args.threads, args.seconds, args.window
+                        kv, stored[workload], args.threads, args.seconds, args.window
                     )
                     for part, values in measured.items():
                         results[workload][case].setdefault(part, []).extend(values)
@@ -220,6 +231,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--prefixes", type=int, default=64)
+    parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--window", type=float, default=0.25, help="seconds per loads/s sample")
     parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
     parser.add_argument("--no-postgres", action="store_true", help="SQLite only")
