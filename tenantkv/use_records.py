@@ -49,8 +49,8 @@ class UseRecords:
         self._pending: dict[bytes, dict[str, float]] = {}
         #: tenant id -> loads whose use waits in ``_pending``.
         self._pending_loads: dict[bytes, int] = {}
-        #: Loads recorded, loads whose use was written, and loads whose batch failed (for
-        #: benchmarks and operators: ``recorded - written - failed`` wait to be written).
+        #: Loads recorded, loads whose use was written, and loads whose write failed (logged);
+        #: ``recorded - written - failed`` wait to be written (for tests and benchmarks).
         self.recorded = 0
         self.written = 0
         self.failed = 0
