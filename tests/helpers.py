@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from sqlalchemy import select
 
 import tenantkv
 from tenantkv import KVLayout
+from tenantkv.index.schema import Extent
 
 # Small layouts keep the suite fast; the benchmark covers the DeepSeek-V3 shape.
 MLA_SMALL = KVLayout.mla(num_layers=3, kv_lora_rank=32, rope_dim=8, dtype=torch.bfloat16)
@@ -74,3 +78,21 @@ class ManualClock:
         assert seconds > 0, "advance() only moves the clock forward"
         self.now += seconds
         return self.now
+
+
+def held_background(kv: tenantkv.TenantKV) -> list[Callable[[], object]]:
+    """Keep what ``kv`` hands to its bookkeeping thread (a batch of loads' records of use), for
+    the test to run when it chooses, on its own thread, or never."""
+    tasks: list[Callable[[], object]] = []
+
+    def submit(task: Callable[..., object], *args: object) -> None:
+        tasks.append(lambda: task(*args))
+
+    kv.context.runtime.submit_background = submit  # type: ignore[method-assign]
+    return tasks
+
+
+def last_used(kv: tenantkv.TenantKV) -> dict[str, float]:
+    """Every extent's ``last_used_at`` in the index, by extent id."""
+    with kv.context.index.read() as session:
+        return dict(session.execute(select(Extent.id, Extent.last_used_at)).all())

@@ -13,21 +13,21 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import select
 
 import tenantkv.runtime
 from tenantkv import CacheMissError, InvalidRequestError, TenantKV
 from tenantkv.first_layers import FirstLayerGate
-from tenantkv.index.schema import Extent
-from tests.helpers import MLA_SMALL, layers_equal, load_all, random_layers, random_tokens
+from tests.helpers import (
+    MLA_SMALL,
+    last_used,
+    layers_equal,
+    load_all,
+    random_layers,
+    random_tokens,
+)
 from tests.test_tenants import wait_for
 
 TOKENS = 64  # one block
-
-
-def _last_used(kv: TenantKV) -> dict[str, float]:
-    with kv.context.index.read() as session:
-        return dict(session.execute(select(Extent.id, Extent.last_used_at)).all())
 
 
 def _two_prefixes(kv: TenantKV) -> tuple[tenantkv.Namespace, list[list[int]], list[str]]:
@@ -36,10 +36,10 @@ def _two_prefixes(kv: TenantKV) -> tuple[tenantkv.Namespace, list[list[int]], li
     ns = kv.namespace("t", model="m", layout=MLA_SMALL)
     tokens, ids = [], []
     for seed in (1, 2):
-        before = set(_last_used(kv))
+        before = set(last_used(kv))
         tokens.append(random_tokens(TOKENS, seed=seed))
         assert ns.store(tokens[-1], random_layers(MLA_SMALL, TOKENS, seed=seed)) == TOKENS
-        (new,) = set(_last_used(kv)) - before
+        (new,) = set(last_used(kv)) - before
         ids.append(new)
     return ns, tokens, ids
 
@@ -126,15 +126,15 @@ def test_record_of_use_waits_for_a_load_before_its_first_layer(
 ) -> None:
     monkeypatch.setattr(tenantkv.runtime, "BOOKKEEPING_HOLD_S", 60.0)  # no bound in this test
     ns, tokens, ids = _two_prefixes(kv)
-    stored = _last_used(kv)
+    stored = last_used(kv)
     load_all(ns, tokens[0])  # its record of use goes to the background
     with ns.load(tokens[1]) as waiting:  # before its first layer, from now on
         time.sleep(10 * tenantkv.runtime.BOOKKEEPING_DELAY_S)
-        assert _last_used(kv)[ids[0]] == stored[ids[0]], "bookkeeping ran before a first layer"
+        assert last_used(kv)[ids[0]] == stored[ids[0]], "bookkeeping ran before a first layer"
         waiting.wait_for_layer(0)
         # Control: the record lands once that load has its first layer (well within the bound).
-        wait_for(lambda: _last_used(kv)[ids[0]] > stored[ids[0]])
-    wait_for(lambda: _last_used(kv)[ids[1]] > stored[ids[1]])  # and the second load's
+        wait_for(lambda: last_used(kv)[ids[0]] > stored[ids[0]])
+    wait_for(lambda: last_used(kv)[ids[1]] > stored[ids[1]])  # and the second load's
 
 
 def test_record_of_use_waits_at_most_the_bound(
@@ -142,10 +142,10 @@ def test_record_of_use_waits_at_most_the_bound(
 ) -> None:
     monkeypatch.setattr(tenantkv.runtime, "BOOKKEEPING_HOLD_S", 0.3)
     ns, tokens, ids = _two_prefixes(kv)
-    stored = _last_used(kv)
+    stored = last_used(kv)
     load_all(ns, tokens[0])
     with ns.load(tokens[1]):  # never read: before its first layer all along
-        wait_for(lambda: _last_used(kv)[ids[0]] > stored[ids[0]])
+        wait_for(lambda: last_used(kv)[ids[0]] > stored[ids[0]])
         assert kv.context.runtime.first_layers.held == 1  # it ran while the load still waited
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from sqlalchemy import event
 
 from tenantkv import InvalidRequestError, TenantKV
 from tenantkv.retention import MAX_RETENTION_CLASSES
-from tests.helpers import MLA_SMALL, ManualClock
+from tests.helpers import MLA_SMALL, ManualClock, held_background
 from tests.test_tenants import (
     MODEL,
     extents_of,
@@ -68,25 +68,13 @@ def test_merging_updates_cannot_grow_retention_past_the_cap(cache: TenantKV) -> 
     assert [t.name for t in cache.list_tenants()] == ["a"]
 
 
-def _deferred_background(kv: TenantKV) -> list[tuple[Callable[..., object], tuple[object, ...]]]:
-    """Keep the bookkeeping a load hands to the background pool, for the test to run on its
-    own thread (where its statements can be told from the load's)."""
-    tasks: list[tuple[Callable[..., object], tuple[object, ...]]] = []
-
-    def submit(task: Callable[..., object], *args: object) -> None:
-        tasks.append((task, args))
-
-    kv.context.runtime.submit_background = submit  # type: ignore[method-assign]
-    return tasks
-
-
 def _bookkeeping_statements(kv: TenantKV, tenant: str, kind: str, seed: int) -> list[str]:
     """Store one extent of ``kind`` in ``tenant``, load it, then run that load's bookkeeping
     and return the SQL statements it issued."""
     ns = kv.namespace(tenant, model=MODEL, layout=MLA_SMALL)
     p = prefix(seed)
     store_one(kv, ns, p, kind=kind)
-    tasks = _deferred_background(kv)
+    tasks = held_background(kv)
     assert loads_exact(ns, p)
     assert tasks, "a load hands its record of use to the background"
     statements: list[str] = []
@@ -99,8 +87,8 @@ def _bookkeeping_statements(kv: TenantKV, tenant: str, kind: str, seed: int) -> 
     engine = kv.context.index.engine
     event.listen(engine, "before_cursor_execute", count)
     try:
-        for task, args in tasks:
-            task(*args)
+        for task in tasks:
+            task()
     finally:
         event.remove(engine, "before_cursor_execute", count)
     return statements

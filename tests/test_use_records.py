@@ -16,15 +16,22 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import event, select
+from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 import tenantkv
 import tenantkv.use_records
 from tenantkv import TenantKV
-from tenantkv.index.schema import Extent, Tenant
-from tests.helpers import MLA_SMALL, ManualClock, load_all, random_layers, random_tokens
-from tests.test_tenants import open_cache
+from tests.helpers import (
+    MLA_SMALL,
+    ManualClock,
+    held_background,
+    last_used,
+    load_all,
+    random_layers,
+    random_tokens,
+)
+from tests.test_tenants import extents_of, open_cache, tenant_id
 
 TOKENS = 64  # one block: one extent per prefix
 
@@ -48,20 +55,6 @@ def cache(cache_root: Path, clock: ManualClock, master_key: bytes) -> Iterator[T
         kv.close()
 
 
-def _last_used(kv: TenantKV) -> dict[str, float]:
-    with kv.context.index.read() as session:
-        return dict(session.execute(select(Extent.id, Extent.last_used_at)).all())
-
-
-def _held_background(kv: TenantKV) -> list[Callable[..., object]]:
-    """Keep what the cache hands to its bookkeeping thread, for the test to run (or not)."""
-    tasks: list[Callable[..., object]] = []
-    kv.context.runtime.submit_background = (  # type: ignore[method-assign]
-        lambda task, *args: tasks.append(lambda: task(*args))
-    )
-    return tasks
-
-
 def _prefixes(
     kv: TenantKV, tenant: str, seeds: tuple[int, ...]
 ) -> tuple[tenantkv.Namespace, dict[int, list[int]], dict[int, str]]:
@@ -70,10 +63,10 @@ def _prefixes(
     ns = kv.namespace(tenant, model="m", layout=MLA_SMALL)
     tokens, ids = {}, {}
     for seed in seeds:
-        before = set(_last_used(kv))
+        before = set(last_used(kv))
         tokens[seed] = random_tokens(TOKENS, seed=seed)
         assert ns.store(tokens[seed], random_layers(MLA_SMALL, TOKENS, seed=seed)) == TOKENS
-        (ids[seed],) = set(_last_used(kv)) - before
+        (ids[seed],) = set(last_used(kv)) - before
     return ns, tokens, ids
 
 
@@ -99,8 +92,8 @@ def test_loads_closed_while_a_batch_waits_are_written_in_a_transaction_per_tenan
 ) -> None:
     a, a_tokens, a_ids = _prefixes(cache, "a", (1, 2))
     b, b_tokens, b_ids = _prefixes(cache, "b", (3,))
-    stored = _last_used(cache)
-    tasks = _held_background(cache)
+    stored = last_used(cache)
+    tasks = held_background(cache)
     times = {}
     for seed, ns, tokens in (
         (1, a, a_tokens),
@@ -111,11 +104,11 @@ def test_loads_closed_while_a_batch_waits_are_written_in_a_transaction_per_tenan
         times[seed] = clock.advance(10.0)
         load_all(ns, tokens[seed])
     assert len(tasks) == 1, "only the batch's first record hands a write to the background"
-    assert _last_used(cache) == stored, "nothing written before the batch runs"
+    assert last_used(cache) == stored, "nothing written before the batch runs"
     assert cache.context.uses.pending == 3
     assert _write_transactions(cache, tasks[0]) == 2  # tenants a and b: 4 loads
     # Control: every load's use landed, each extent at its latest load (seed 1 twice).
-    used = _last_used(cache)
+    used = last_used(cache)
     for seed, extent_id in {**a_ids, **b_ids}.items():
         assert used[extent_id] == times[seed] > stored[extent_id]
     assert cache.context.uses.pending == 0
@@ -127,14 +120,14 @@ def test_loads_closed_while_a_batch_waits_are_written_in_a_transaction_per_tenan
 
 def test_a_batch_keeps_the_latest_use_whatever_order_loads_close_in(cache: TenantKV) -> None:
     _ns, _tokens, ids = _prefixes(cache, "a", (1,))
-    tasks = _held_background(cache)
-    tenant_id = _tenant_ids(cache)["a"]
+    tasks = held_background(cache)
+    tenant = tenant_id(cache, "a")
     uses = cache.context.uses
-    uses.record(tenant_id, [ids[1]], 2_000_000.0)
-    uses.record(tenant_id, [ids[1]], 1_500_000.0)  # a load that started earlier closes later
+    uses.record(tenant, [ids[1]], 2_000_000.0)
+    uses.record(tenant, [ids[1]], 1_500_000.0)  # a load that started earlier closes later
     assert len(tasks) == 1
     tasks[0]()
-    assert _last_used(cache)[ids[1]] == 2_000_000.0
+    assert last_used(cache)[ids[1]] == 2_000_000.0
 
 
 def test_records_pending_at_close_are_written_by_the_close(
@@ -143,16 +136,16 @@ def test_records_pending_at_close_are_written_by_the_close(
     kv = open_cache(cache_root, clock, master_key)
     try:
         ns, tokens, ids = _prefixes(kv, "a", (1,))
-        stored = _last_used(kv)
-        tasks = _held_background(kv)  # never run: as if the shutdown cancelled the batch
+        stored = last_used(kv)
+        tasks = held_background(kv)  # never run: as if the shutdown cancelled the batch
         used_at = clock.advance(10.0)
         load_all(ns, tokens[1])
-        assert tasks and _last_used(kv) == stored
+        assert tasks and last_used(kv) == stored
     finally:
         kv.close()
     reopened = open_cache(cache_root, clock, master_key)
     try:
-        assert _last_used(reopened)[ids[1]] == used_at > stored[ids[1]]
+        assert last_used(reopened)[ids[1]] == used_at > stored[ids[1]]
     finally:
         reopened.close()
 
@@ -164,8 +157,8 @@ def test_a_failed_batch_is_logged_and_the_next_one_is_written(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ns, tokens, ids = _prefixes(cache, "a", (1,))
-    stored = _last_used(cache)
-    tasks = _held_background(cache)
+    stored = last_used(cache)
+    tasks = held_background(cache)
 
     def unreachable(*_args: object) -> dict[str, float]:
         raise OperationalError("UPDATE", {}, Exception("index unreachable"))
@@ -177,14 +170,14 @@ def test_a_failed_batch_is_logged_and_the_next_one_is_written(
         with caplog.at_level(logging.WARNING, logger="tenantkv"):
             tasks[0]()  # raises nothing: bookkeeping never fails a load or a close
     assert "could not record extent use" in caplog.text
-    assert _last_used(cache) == stored and cache.context.uses.pending == 0
+    assert last_used(cache) == stored and cache.context.uses.pending == 0
     assert (cache.context.uses.written, cache.context.uses.failed) == (0, 1)
     # Control: with the index back, the next load's batch is written.
     used_at = clock.advance(10.0)
     load_all(ns, tokens[1])
     assert len(tasks) == 2
     tasks[1]()
-    assert _last_used(cache)[ids[1]] == used_at
+    assert last_used(cache)[ids[1]] == used_at
 
 
 def test_one_tenants_failed_write_does_not_drop_anothers_records(
@@ -192,9 +185,9 @@ def test_one_tenants_failed_write_does_not_drop_anothers_records(
 ) -> None:
     a, a_tokens, a_ids = _prefixes(cache, "a", (1,))
     b, b_tokens, b_ids = _prefixes(cache, "b", (2,))
-    stored = _last_used(cache)
-    tasks = _held_background(cache)
-    failing = _tenant_ids(cache)["b"]
+    stored = last_used(cache)
+    tasks = held_background(cache)
+    failing = tenant_id(cache, "b")
     record_use = tenantkv.use_records.record_use
 
     def fails_for_b(connection: object, tenant_id: bytes, uses: object) -> dict[str, float]:
@@ -208,9 +201,9 @@ def test_one_tenants_failed_write_does_not_drop_anothers_records(
     load_all(b, b_tokens[2])
     assert len(tasks) == 1
     tasks[0]()
-    assert _last_used(cache)[b_ids[2]] == stored[b_ids[2]]
+    assert last_used(cache)[b_ids[2]] == stored[b_ids[2]]
     # Control: the other tenant's use, in the same batch, was written.
-    assert _last_used(cache)[a_ids[1]] == used_at > stored[a_ids[1]]
+    assert last_used(cache)[a_ids[1]] == used_at > stored[a_ids[1]]
     assert (cache.context.uses.written, cache.context.uses.failed) == (1, 1)
 
 
@@ -239,11 +232,11 @@ def test_written_uses_match_a_model_of_latest_use_per_batch(
     if not cache.list_tenants():  # the cache is shared by the examples: set it up once
         for tenant, seeds in (("a", (1, 2)), ("b", (3, 4))):
             _prefixes(cache, tenant, seeds)
-    tenants = _tenant_ids(cache)
-    extents = _extents_by_tenant(cache)
-    tasks = _held_background(cache)
+    tenants = {name: tenant_id(cache, name) for name in ("a", "b")}
+    extents = {name: sorted(extents_of(cache, tid)) for name, tid in tenants.items()}
+    tasks = held_background(cache)
     uses.flush()  # a previous example's leftovers
-    model = _last_used(cache)
+    model = last_used(cache)
     batch: dict[str, float] = {}
     for step in [*steps, None]:
         if step is None:
@@ -252,7 +245,7 @@ def test_written_uses_match_a_model_of_latest_use_per_batch(
             tasks.clear()
             model.update(batch)
             batch = {}
-            assert _last_used(cache) == model
+            assert last_used(cache) == model
             continue
         tenant, which, offset = step
         extent_id = extents[tenant][which - 1]
@@ -260,20 +253,3 @@ def test_written_uses_match_a_model_of_latest_use_per_batch(
         uses.record(tenants[tenant], [extent_id], used_at)
         batch[extent_id] = max(batch.get(extent_id, used_at), used_at)
     assert uses.pending == 0
-
-
-def _tenant_ids(kv: TenantKV) -> dict[str, bytes]:
-    with kv.context.index.read() as session:
-        return dict(session.execute(select(Tenant.name, Tenant.id)).all())
-
-
-def _extents_by_tenant(kv: TenantKV) -> dict[str, list[str]]:
-    """Each tenant's extent ids, sorted."""
-    with kv.context.index.read() as session:
-        rows = session.execute(
-            select(Tenant.name, Extent.id).join(Extent, Extent.tenant_id == Tenant.id)
-        ).all()
-    found: dict[str, list[str]] = {}
-    for name, extent_id in rows:
-        found.setdefault(name, []).append(extent_id)
-    return {name: sorted(ids) for name, ids in found.items()}
