@@ -11,6 +11,7 @@ import datetime as dt
 import os
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,56 @@ def size_rows(run: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def targets(run: Any) -> list[tuple[str, float, str, str, str]]:
-    """(what, ratio of medians, target, verdict, cache conditions) for one size."""
+@dataclass(frozen=True)
+class Target:
+    """One target's verdict at one size: the ratio of medians decides it; ``rounds`` shows how
+    the same ratio, round by round, spreads around it (a median on the line is no verdict to
+    lean on)."""
+
+    what: str
+    ratio: float
+    target: str
+    verdict: str
+    page_cache: str
+    rounds: str
+
+
+def round_values(run: Any, system: Any, baseline: Any, values: list[float]) -> list[float]:
+    """The baseline's ``values`` from the rounds in which ``system`` was timed (in its group's
+    rounds when the systems were timed in groups, each group with the baseline in it), or []
+    when they cannot be paired round by round."""
+    count = len(system.seconds)
+    if len(values) == count:
+        return values
+    keys = label(system)
+    groups = [i for i, group in enumerate(run.groups or []) if keys in group]
+    if len(groups) != 1 or len(values) != count * len(run.groups):
+        return []
+    start = groups[0] * count
+    return values[start : start + count]
+
+
+def per_round(ratios: Sequence[float], meets: Any) -> str:
+    """``min-max, k of n rounds meet`` of the ratios of one round each."""
+    if not ratios:
+        return "-"
+    met = sum(1 for r in ratios if meets(r))
+    return f"{min(ratios):.3f}-{max(ratios):.3f}, {met} of {len(ratios)} meet"
+
+
+def targets(run: Any) -> list[Target]:
+    """Every target's verdict at one size (see :class:`Target`)."""
     nbytes = run.shape.total_bytes
     lmc = find(run, "lmcache")[0]
     lmc_gbps = statistics.median(gbps(lmc, nbytes))
     lmc_ttfl = statistics.median(lmc.first_layer)
-    out: list[tuple[str, float, str, str, str]] = []
+    out: list[Target] = []
+
+    def speed_rounds(s: Any, base: Any, goal: float) -> str:
+        theirs = round_values(run, s, base, gbps(base, nbytes))
+        ratios = [a / b for a, b in zip(gbps(s, nbytes), theirs, strict=False)] if theirs else []
+        return per_round(ratios, lambda r: r >= goal)
+
     ceilings = find(run, "decrypt-ceiling")
     if ceilings:
         # Not a target of its own: the bound on the first one (the faster thread count). Below
@@ -120,12 +164,13 @@ def targets(run: Any) -> list[tuple[str, float, str, str, str]]:
         ceiling = max(ceilings, key=lambda s: statistics.median(gbps(s, nbytes)))
         r = statistics.median(gbps(ceiling, nbytes)) / lmc_gbps
         out.append(
-            (
+            Target(
                 "bound: decrypt-only ceiling (no reads) / LMCache load",
                 r,
                 ">= 1 for the load target to be reachable",
                 verdict(r >= TARGET_VS_LMCACHE),
                 conditions(nbytes, ceiling, lmc),
+                speed_rounds(ceiling, lmc, TARGET_VS_LMCACHE),
             )
         )
     tkv = find(run, "tenantkv")
@@ -135,36 +180,40 @@ def targets(run: Any) -> list[tuple[str, float, str, str, str]]:
         for mode, s in by_mode.items():
             r = statistics.median(gbps(s, nbytes)) / lmc_gbps
             out.append(
-                (
+                Target(
                     f"{suite} {mode}: load / LMCache load",
                     r,
                     ">= 1",
                     verdict(r >= TARGET_VS_LMCACHE),
                     conditions(nbytes, s, lmc),
+                    speed_rounds(s, lmc, TARGET_VS_LMCACHE),
                 )
             )
         for mode, s in by_mode.items():
             r = statistics.median(s.first_layer) / lmc_ttfl
+            theirs = round_values(run, s, lmc, lmc.first_layer)
+            ratios = [a / b for a, b in zip(s.first_layer, theirs, strict=False)] if theirs else []
             out.append(
-                (
+                Target(
                     f"{suite} {mode}: TTFL / LMCache TTFL",
                     r,
                     "<= 0.1",
                     verdict(r <= TARGET_TTFL_VS_LMCACHE),
                     conditions(nbytes, s, lmc),
+                    per_round(ratios, lambda x: x <= TARGET_TTFL_VS_LMCACHE),
                 )
             )
         if "out=" in by_mode and "fresh kept" in by_mode:
-            r = statistics.median(gbps(by_mode["fresh kept"], nbytes)) / statistics.median(
-                gbps(by_mode["out="], nbytes)
-            )
+            fresh, with_out = by_mode["fresh kept"], by_mode["out="]
+            r = statistics.median(gbps(fresh, nbytes)) / statistics.median(gbps(with_out, nbytes))
             out.append(
-                (
+                Target(
                     f"{suite}: fresh kept / out=",
                     r,
                     ">= 0.8",
                     verdict(r >= TARGET_FRESH_VS_OUT),
-                    conditions(nbytes, by_mode["fresh kept"], by_mode["out="]),
+                    conditions(nbytes, fresh, with_out),
+                    speed_rounds(fresh, with_out, TARGET_FRESH_VS_OUT),
                 )
             )
     return out
@@ -215,8 +264,11 @@ def print_size(run: Any) -> None:
         f"{len(run.systems[0].seconds)} rounds (median TTFL; ratios of median GB/s)"
     )
     print(format_size_table(run))
-    for what, r, target, v, cond in targets(run):
-        print(f"  {what:<55} {r:>8.3f}  target {target:<6} {v:<6}  {cond}")
+    for t in targets(run):
+        print(
+            f"  {t.what:<55} {t.ratio:>8.3f}  target {t.target:<6} {t.verdict:<6}  "
+            f"{t.page_cache}  per round {t.rounds}"
+        )
     scaling = ceiling_scaling(run)
     if scaling:
         print(f"  {scaling}")
@@ -502,7 +554,12 @@ def build(
                 table,
             )
         )
-        md += ["", f"Targets at {lab} (ratios of medians):", ""]
+        md += [
+            "",
+            f"Targets at {lab} (ratios of medians; `per round`: the same ratio in each round,"
+            " its range and how many rounds meet the target):",
+            "",
+        ]
         tg = targets(run)
         cold_rows = [s.name for s in run.systems if is_cold(s, run.shape.total_bytes)]
         if cold_rows:
@@ -518,8 +575,8 @@ def build(
             ]
         md.append(
             md_table(
-                ["ratio", "value", "target", "verdict", "page cache"],
-                [[w, f3(r), t, v, c] for w, r, t, v, c in tg],
+                ["ratio", "value", "target", "verdict", "page cache", "per round"],
+                [[t.what, f3(t.ratio), t.target, t.verdict, t.page_cache, t.rounds] for t in tg],
             )
         )
         md.append("")
@@ -535,8 +592,15 @@ def build(
                 "order": run.order,
                 "systems": rows,
                 "targets": [
-                    {"what": w, "ratio": r, "target": t, "verdict": v, "page_cache": c}
-                    for w, r, t, v, c in tg
+                    {
+                        "what": t.what,
+                        "ratio": t.ratio,
+                        "target": t.target,
+                        "verdict": t.verdict,
+                        "page_cache": t.page_cache,
+                        "per_round": t.rounds,
+                    }
+                    for t in tg
                 ],
             }
         )
