@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .buffers import RecyclingPool
 from .config import CacheConfig
+from .cpu_pinning import CpuPinning
 from .errors import CacheClosedError
 from .first_layers import FirstLayerGate
 from .loader import LoadStream
@@ -40,8 +41,13 @@ class Runtime:
         self.window = config.read_ahead
         self.load_threads = config.load_threads
         self.seal_executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-seal")
+        # Each loader thread on a CPU of its own (cpu_pinning.py: otherwise a load's workers
+        # queued behind each other on one CPU, milliseconds of the time to first layer).
+        self.load_pinning = CpuPinning() if config.pin_load_workers else None
         self.load_executor = ThreadPoolExecutor(
-            self.load_threads, thread_name_prefix="tenantkv-load"
+            self.load_threads,
+            thread_name_prefix="tenantkv-load",
+            initializer=self.load_pinning.pin_current_thread if self.load_pinning else None,
         )
         # One thread: bookkeeping that waits for a first layer never holds a load's worker;
         # it keeps up with many small loads because each task writes a batch of them.
