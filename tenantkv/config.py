@@ -87,11 +87,11 @@ class CacheConfig:
     seal_workers: int | None = None
     #: Threads that read and open the chunks of every load (default: ``max(2, cores)``).
     load_workers: int | None = None
-    #: Pin each loader thread to a CPU of its own, round robin over the CPUs the process may
-    #: use (``tenantkv.cpu_pinning``): unpinned, a load's workers often queued behind each other
-    #: on one CPU for milliseconds while another idled. Turn off where busy threads of the
-    #: embedding process are pinned to the same CPUs.
-    pin_load_workers: bool = True
+    #: Pin each loader and sealing thread to a CPU of its own, round robin over the CPUs the
+    #: process may use (``tenantkv.cpu_pinning``): unpinned, a load's or a store's workers often
+    #: queued behind each other on one CPU for milliseconds while another idled. Turn off where
+    #: busy threads of the embedding process are pinned to the same CPUs.
+    pin_workers: bool = True
     #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes.
     window: int | None = None
     #: Host memory all loads use for ciphertext in flight, in slots of ``staging_slot_bytes``.
@@ -154,9 +154,9 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
-        if not isinstance(self.pin_load_workers, bool):
+        if not isinstance(self.pin_workers, bool):
             raise InvalidRequestError(
-                f"pin_load_workers must be True or False, got {self.pin_load_workers!r}"
+                f"pin_workers must be True or False, got {self.pin_workers!r}"
             )
         for name in ("map_reads", "direct_writes"):
             value = getattr(self, name)
@@ -276,7 +276,7 @@ _BOOLS = {
     "direct_writes",
     "strict",
     "metrics_tenant_labels",
-    "pin_load_workers",
+    "pin_workers",
 }
 
 

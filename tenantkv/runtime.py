@@ -40,15 +40,12 @@ class Runtime:
         # the next layers arrive while the caller works on one, and memory stays bounded.
         self.window = config.read_ahead
         self.load_threads = config.load_threads
-        self.seal_executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tenantkv-seal")
-        # Each loader thread on a CPU of its own (cpu_pinning.py: otherwise a load's workers
-        # queued behind each other on one CPU, milliseconds of the time to first layer).
-        self.load_pinning = CpuPinning() if config.pin_load_workers else None
-        self.load_executor = ThreadPoolExecutor(
-            self.load_threads,
-            thread_name_prefix="tenantkv-load",
-            initializer=self.load_pinning.pin_current_thread if self.load_pinning else None,
-        )
+        # Each worker thread on a CPU of its own (cpu_pinning.py: otherwise a load's or a
+        # store's workers queued behind each other on one CPU, for milliseconds).
+        self.seal_pinning = CpuPinning() if config.pin_workers else None
+        self.load_pinning = CpuPinning() if config.pin_workers else None
+        self.seal_executor = _pool(self.workers, "tenantkv-seal", self.seal_pinning)
+        self.load_executor = _pool(self.load_threads, "tenantkv-load", self.load_pinning)
         # One thread: bookkeeping that waits for a first layer never holds a load's worker;
         # it keeps up with many small loads because each task writes a batch of them.
         self.bookkeeping_executor = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-books")
@@ -123,3 +120,9 @@ class Runtime:
         self.load_executor.shutdown(wait=wait, cancel_futures=True)
         self.bookkeeping_executor.shutdown(wait=wait, cancel_futures=True)
         self.seal_executor.shutdown(wait=wait, cancel_futures=True)
+
+
+def _pool(threads: int, name: str, pinning: CpuPinning | None) -> ThreadPoolExecutor:
+    """A pool of ``threads`` named ``name``, each pinned by ``pinning`` as it starts (if any)."""
+    initializer = pinning.pin_current_thread if pinning is not None else None
+    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=initializer)

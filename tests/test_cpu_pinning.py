@@ -1,8 +1,8 @@
-"""Loader threads pinned one per CPU (``tenantkv.cpu_pinning``).
+"""Worker threads pinned one per CPU (``tenantkv.cpu_pinning``).
 
 Checked: each thread a pool starts is pinned to the next CPU of the process's affinity mask,
-round robin; a cache's loader threads are so pinned after a load (and are not with
-``pin_load_workers=False``: the control); a CPU the process may not use leaves the thread
+round robin; a cache's loader and sealing threads are so pinned after a store and a load (and
+are not with ``pin_workers=False``: the control); a CPU the process may not use leaves the thread
 unpinned and is logged once, never raised (a pool initializer that raises breaks the pool).
 Speed is not checked here: docs/perf.md has the measurements.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,14 +65,13 @@ def test_a_cpu_that_cannot_be_used_leaves_the_thread_unpinned_and_warns_once(
     assert len(warnings) == 1
 
 
-def _loader_affinities(kv: tenantkv.TenantKV) -> list[set[int]]:
-    pool = kv.context.runtime.load_executor
+def _affinities(pool: ThreadPoolExecutor) -> list[set[int]]:
     threads = list(pool._threads)  # ThreadPoolExecutor's started threads
-    assert threads, "the load started no loader thread"
+    assert threads, "the pool started no thread"
     return [os.sched_getaffinity(t.native_id) for t in threads if t.native_id is not None]
 
 
-def _load_once(kv: tenantkv.TenantKV) -> None:
+def _store_and_load(kv: tenantkv.TenantKV) -> None:
     kv.create_tenant("acme")
     ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
     tokens = random_tokens(256, seed=3)
@@ -83,27 +83,33 @@ def _load_once(kv: tenantkv.TenantKV) -> None:
 
 
 @pytest.mark.usefixtures("index")
-def test_a_caches_loader_threads_are_pinned_one_per_cpu(tmp_path: Path) -> None:
+def test_a_caches_worker_threads_are_pinned_one_per_cpu(tmp_path: Path) -> None:
     cpus = allowed_cpus()
     with tenantkv.open(tmp_path / "pinned") as kv:
-        _load_once(kv)
-        affinities = _loader_affinities(kv)
-        pinning = kv.context.runtime.load_pinning
-        assert pinning is not None and pinning.pinned == len(affinities)
-    assert all(len(mask) == 1 and mask <= set(cpus) for mask in affinities)
-    # Threads share a CPU only once every CPU has one.
-    assert len({min(mask) for mask in affinities}) == min(len(affinities), len(cpus))
+        _store_and_load(kv)
+        runtime = kv.context.runtime
+        pools = [
+            (runtime.load_executor, runtime.load_pinning),
+            (runtime.seal_executor, runtime.seal_pinning),
+        ]
+        for pool, pinning in pools:
+            affinities = _affinities(pool)
+            assert pinning is not None and pinning.pinned == len(affinities)
+            assert all(len(mask) == 1 and mask <= set(cpus) for mask in affinities)
+            # A pool's threads share a CPU only once every CPU has one of them.
+            assert len({min(mask) for mask in affinities}) == min(len(affinities), len(cpus))
     # Control: unpinned threads keep the process's whole mask.
-    with tenantkv.open(tmp_path / "unpinned", pin_load_workers=False) as kv:
-        _load_once(kv)
-        assert kv.context.runtime.load_pinning is None
-        assert all(mask == set(cpus) for mask in _loader_affinities(kv))
+    with tenantkv.open(tmp_path / "unpinned", pin_workers=False) as kv:
+        _store_and_load(kv)
+        runtime = kv.context.runtime
+        assert runtime.load_pinning is None and runtime.seal_pinning is None
+        for pool in (runtime.load_executor, runtime.seal_executor):
+            assert all(mask == set(cpus) for mask in _affinities(pool))
 
 
-def test_pin_load_workers_takes_only_a_boolean() -> None:
-    with pytest.raises(tenantkv.InvalidRequestError, match="pin_load_workers"):
-        tenantkv.CacheConfig(pin_load_workers="yes")  # type: ignore[arg-type]
-    assert (
-        tenantkv.CacheConfig.from_env({"TENANTKV_PIN_LOAD_WORKERS": "0"}).pin_load_workers is False
-    )
-    assert tenantkv.CacheConfig().pin_load_workers is True
+def test_pin_workers_takes_only_a_boolean() -> None:
+    with pytest.raises(tenantkv.InvalidRequestError, match="pin_workers"):
+        tenantkv.CacheConfig(pin_workers="yes")  # type: ignore[arg-type]
+    from_env = tenantkv.CacheConfig.from_env({"TENANTKV_PIN_WORKERS": "0"})
+    assert from_env.pin_workers is False
+    assert tenantkv.CacheConfig().pin_workers is True
