@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,7 +66,13 @@ def test_a_cpu_that_cannot_be_used_leaves_the_thread_unpinned_and_warns_once(
     assert len(warnings) == 1
 
 
-def _affinities(pool: ThreadPoolExecutor) -> list[set[int]]:
+def _affinities(pool: ThreadPoolExecutor, pinning: CpuPinning | None = None) -> list[set[int]]:
+    """The affinity of every thread ``pool`` started; with ``pinning``, once each of them ran
+    the initializer (a thread the pool just started may not have yet)."""
+    deadline = time.monotonic() + 5
+    while pinning is not None and pinning.pinned + pinning.failed < len(pool._threads):
+        assert time.monotonic() < deadline, "a started thread never ran the pool's initializer"
+        time.sleep(0.01)
     threads = list(pool._threads)  # ThreadPoolExecutor's started threads
     assert threads, "the pool started no thread"
     return [os.sched_getaffinity(t.native_id) for t in threads if t.native_id is not None]
@@ -93,8 +100,9 @@ def test_a_caches_worker_threads_are_pinned_one_per_cpu(tmp_path: Path) -> None:
             (runtime.seal_executor, runtime.seal_pinning),
         ]
         for pool, pinning in pools:
-            affinities = _affinities(pool)
-            assert pinning is not None and pinning.pinned == len(affinities)
+            assert pinning is not None
+            affinities = _affinities(pool, pinning)
+            assert pinning.pinned == len(affinities) and pinning.failed == 0
             assert all(len(mask) == 1 and mask <= set(cpus) for mask in affinities)
             # A pool's threads share a CPU only once every CPU has one of them.
             assert len({min(mask) for mask in affinities}) == min(len(affinities), len(cpus))
