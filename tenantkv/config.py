@@ -88,7 +88,8 @@ class CacheConfig:
     #: Threads that read and open the chunks of every load (default: ``max(2, cores)``).
     load_workers: int | None = None
     #: Pin each loader and sealing thread to a CPU of its own, round robin over the CPUs the
-    #: process may use (``tenantkv.cpu_pinning``): unpinned, a load's or a store's workers often
+    #: process may use, in pools with no more threads than those CPUs
+    #: (``tenantkv.cpu_pinning``): unpinned, a load's or a store's workers often
     #: queued behind each other on one CPU for milliseconds while another idled. Turn off where
     #: busy threads of the embedding process are pinned to the same CPUs.
     pin_workers: bool = True

@@ -13,11 +13,13 @@ fast.
 
 Each pool (the loader's, the sealer's) pins its threads round robin over the CPUs the process
 may run on when the pool is built (its affinity mask, which honours cgroup cpusets), in the
-order the pool starts them; a pool with more threads than CPUs shares them out evenly. Pinning
-is best effort: where the platform has no ``sched_setaffinity`` or refuses it, the thread runs
-unpinned and a warning is logged once. ``CacheConfig.pin_workers=False`` turns it off (where an
-engine pins its own busy threads to the same CPUs, say, and the scheduler should be free to
-move loads and stores away from them).
+order the pool starts them. A pool with more threads than those CPUs is left unpinned: which of
+its threads takes a task is arbitrary, so two workers of one load could land on threads pinned
+to the same CPU and share it while another idles. Pinning is best effort: where the platform
+has no ``sched_setaffinity`` or refuses it, the thread runs unpinned and a warning is logged
+once. ``CacheConfig.pin_workers=False`` turns it off (where an engine pins its own busy threads
+to the same CPUs, say, and the scheduler should be free to move loads and stores away from
+them).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def allowed_cpus() -> list[int]:
         return sorted(getaffinity(0))
     except OSError:
         return []
+
+
+def pinning_for_pool(threads: int) -> CpuPinning | None:
+    """The pinning of a pool of ``threads`` threads: one CPU each, or None (unpinned) when the
+    process may run on fewer CPUs than that (see the module docstring)."""
+    pinning = CpuPinning()
+    return pinning if 0 < threads <= len(pinning.cpus) else None
 
 
 class CpuPinning:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .buffers import RecyclingPool
 from .config import CacheConfig
-from .cpu_pinning import CpuPinning
+from .cpu_pinning import CpuPinning, pinning_for_pool
 from .errors import CacheClosedError
 from .first_layers import FirstLayerGate
 from .loader import LoadStream
@@ -42,8 +42,9 @@ class Runtime:
         self.load_threads = config.load_threads
         # Each worker thread on a CPU of its own (cpu_pinning.py: otherwise a load's or a
         # store's workers queued behind each other on one CPU, for milliseconds).
-        self.seal_pinning = CpuPinning() if config.pin_workers else None
-        self.load_pinning = CpuPinning() if config.pin_workers else None
+        pin = config.pin_workers
+        self.seal_pinning = pinning_for_pool(self.workers) if pin else None
+        self.load_pinning = pinning_for_pool(self.load_threads) if pin else None
         self.seal_executor = _pool(self.workers, "tenantkv-seal", self.seal_pinning)
         self.load_executor = _pool(self.load_threads, "tenantkv-load", self.load_pinning)
         # One thread: bookkeeping that waits for a first layer never holds a load's worker;

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tenantkv
-from tenantkv.cpu_pinning import CpuPinning, allowed_cpus
+from tenantkv.cpu_pinning import CpuPinning, allowed_cpus, pinning_for_pool
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 
 pytestmark = pytest.mark.skipif(
@@ -113,6 +113,23 @@ def test_a_caches_worker_threads_are_pinned_one_per_cpu(tmp_path: Path) -> None:
         assert runtime.load_pinning is None and runtime.seal_pinning is None
         for pool in (runtime.load_executor, runtime.seal_executor):
             assert all(mask == set(cpus) for mask in _affinities(pool))
+
+
+@pytest.mark.usefixtures("index")
+def test_a_pool_with_more_threads_than_cpus_is_left_unpinned(tmp_path: Path) -> None:
+    # Which thread takes a task is arbitrary: two workers of one load could share a CPU.
+    cpus = allowed_cpus()
+    assert pinning_for_pool(len(cpus)) is not None  # control: as many threads as CPUs
+    assert pinning_for_pool(len(cpus) + 1) is None
+    with tenantkv.open(tmp_path, load_workers=len(cpus) + 1, seal_workers=1) as kv:
+        _store_and_load(kv)
+        runtime = kv.context.runtime
+        assert runtime.load_pinning is None
+        assert all(mask == set(cpus) for mask in _affinities(runtime.load_executor))
+        assert runtime.seal_pinning is not None  # one sealing thread: pinned
+        assert all(
+            len(mask) == 1 for mask in _affinities(runtime.seal_executor, runtime.seal_pinning)
+        )
 
 
 def test_pin_workers_takes_only_a_boolean() -> None:
