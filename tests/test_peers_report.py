@@ -31,7 +31,7 @@ def _system(name: str, seconds: list[float]) -> SimpleNamespace:
 def test_one_group_pairs_round_by_round() -> None:
     tkv = _system("tenantkv", [1.0, 2.0, 3.0])
     run = SimpleNamespace(groups=[["tenantkv", "LMCache"]])
-    assert report.round_values(run, tkv, None, [10.0, 20.0, 30.0]) == [10.0, 20.0, 30.0]
+    assert report.round_values(run, tkv, [10.0, 20.0, 30.0]) == [10.0, 20.0, 30.0]
 
 
 def test_groups_pair_with_the_baseline_of_the_systems_own_group() -> None:
@@ -40,14 +40,14 @@ def test_groups_pair_with_the_baseline_of_the_systems_own_group() -> None:
     raw = _system("raw", [4.0, 5.0, 6.0])
     run = SimpleNamespace(groups=[["raw", "LMCache"], ["tenantkv", "LMCache"]])
     baseline = [10.0, 11.0, 12.0, 20.0, 21.0, 22.0]
-    assert report.round_values(run, tkv, None, baseline) == [20.0, 21.0, 22.0]
-    assert report.round_values(run, raw, None, baseline) == [10.0, 11.0, 12.0]
+    assert report.round_values(run, tkv, baseline) == [20.0, 21.0, 22.0]
+    assert report.round_values(run, raw, baseline) == [10.0, 11.0, 12.0]
 
 
 def test_rounds_that_cannot_be_paired_give_no_per_round_figures() -> None:
     tkv = _system("tenantkv", [1.0, 2.0, 3.0])
     run = SimpleNamespace(groups=[["tenantkv", "LMCache"], ["raw", "LMCache"]])
-    assert report.round_values(run, tkv, None, [10.0, 20.0]) == []
+    assert report.round_values(run, tkv, [10.0, 20.0]) == []
     assert report.per_round([], lambda r: True) == "-"
 
 

@@ -121,8 +121,8 @@ class Target:
     rounds: str
 
 
-def round_values(run: Any, system: Any, baseline: Any, values: list[float]) -> list[float]:
-    """The baseline's ``values`` from the rounds in which ``system`` was timed (in its group's
+def round_values(run: Any, system: Any, values: list[float]) -> list[float]:
+    """A baseline's ``values`` from the rounds in which ``system`` was timed (in its group's
     rounds when the systems were timed in groups, each group with the baseline in it), or []
     when they cannot be paired round by round."""
     count = len(system.seconds)
@@ -153,7 +153,7 @@ def targets(run: Any) -> list[Target]:
     out: list[Target] = []
 
     def speed_rounds(s: Any, base: Any, goal: float) -> str:
-        theirs = round_values(run, s, base, gbps(base, nbytes))
+        theirs = round_values(run, s, gbps(base, nbytes))
         ratios = [a / b for a, b in zip(gbps(s, nbytes), theirs, strict=False)] if theirs else []
         return per_round(ratios, lambda r: r >= goal)
 
@@ -191,7 +191,7 @@ def targets(run: Any) -> list[Target]:
             )
         for mode, s in by_mode.items():
             r = statistics.median(s.first_layer) / lmc_ttfl
-            theirs = round_values(run, s, lmc, lmc.first_layer)
+            theirs = round_values(run, s, lmc.first_layer)
             ratios = [a / b for a, b in zip(s.first_layer, theirs, strict=False)] if theirs else []
             out.append(
                 Target(
