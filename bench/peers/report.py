@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,9 +152,13 @@ def targets(run: Any) -> list[Target]:
     lmc_ttfl = statistics.median(lmc.first_layer)
     out: list[Target] = []
 
+    def round_ratios(s: Any, base: Any, values: Callable[[Any], list[float]]) -> list[float]:
+        """``values(s) / values(base)`` round by round ([] where they cannot be paired)."""
+        theirs = round_values(run, s, values(base))
+        return [a / b for a, b in zip(values(s), theirs, strict=False)] if theirs else []
+
     def speed_rounds(s: Any, base: Any, goal: float) -> str:
-        theirs = round_values(run, s, gbps(base, nbytes))
-        ratios = [a / b for a, b in zip(gbps(s, nbytes), theirs, strict=False)] if theirs else []
+        ratios = round_ratios(s, base, lambda system: gbps(system, nbytes))
         return per_round(ratios, lambda r: r >= goal)
 
     ceilings = find(run, "decrypt-ceiling")
@@ -191,8 +195,7 @@ def targets(run: Any) -> list[Target]:
             )
         for mode, s in by_mode.items():
             r = statistics.median(s.first_layer) / lmc_ttfl
-            theirs = round_values(run, s, lmc.first_layer)
-            ratios = [a / b for a, b in zip(s.first_layer, theirs, strict=False)] if theirs else []
+            ratios = round_ratios(s, lmc, lambda system: system.first_layer)
             out.append(
                 Target(
                     f"{suite} {mode}: TTFL / LMCache TTFL",
