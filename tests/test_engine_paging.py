@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tenantkv
 from tenantkv import KVLayout
@@ -79,3 +81,70 @@ def test_record_request_meters_hits_and_misses_once(tmp_path: Path, index: objec
         assert after["miss_tokens"] - before.get("miss_tokens", 0) == 36
         with pytest.raises(InvalidRequestError):
             namespace.record_request(-1, 0)
+
+
+@st.composite
+def _page_choices(draw: st.DrawFn) -> tuple[int, list[int]]:
+    """A page count and distinct pages for a layer's blocks: a run of consecutive pages,
+    ascending or descending (vLLM hands a new request its free pages in descending order), or
+    any order."""
+    pages = draw(st.integers(min_value=1, max_value=8))
+    count = draw(st.integers(min_value=1, max_value=pages))
+    kind = draw(st.sampled_from(["ascending", "descending", "any"]))
+    if kind == "any":
+        return pages, draw(st.permutations(range(pages)))[:count]
+    first = draw(st.integers(min_value=0, max_value=pages - count))
+    run = list(range(first, first + count))
+    return pages, run if kind == "ascending" else run[::-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(choice=_page_choices(), mla=st.booleans(), seed=st.integers(0, 2**16))
+def test_scatter_and_gather_match_a_token_by_token_model(
+    choice: tuple[int, list[int]], mla: bool, seed: int
+) -> None:
+    num_pages, block_ids = choice
+    layout = MLA if mla else MHA
+    generator = torch.Generator().manual_seed(seed)
+    tokens = len(block_ids) * BLOCK
+    if mla:
+        pages = torch.zeros(num_pages, 1, BLOCK, 8, dtype=torch.bfloat16)
+        layer: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = torch.randn(
+            tokens, 8, generator=generator
+        ).to(torch.bfloat16)
+    else:
+        pages = torch.zeros(num_pages, 2, BLOCK, 8, dtype=torch.float16)
+        layer = (
+            torch.randn(tokens, 2, 4, generator=generator).half(),
+            torch.randn(tokens, 2, 4, generator=generator).half(),
+        )
+    expected = pages.clone()
+    for t in range(tokens):  # the model: one token at a time, by the slot mapping
+        page, offset = block_ids[t // BLOCK], t % BLOCK
+        if isinstance(layer, torch.Tensor):
+            expected[page, 0, offset] = layer[t]
+        else:
+            for head in range(2):
+                expected[page, head, offset] = torch.cat((layer[0][t, head], layer[1][t, head]))
+    scatter_layer(pages, block_ids, layer, layout)
+    assert torch.equal(pages, expected)  # pages outside block_ids stay zero, as in the model
+    got = gather_layer(pages, block_ids, layout)
+    if isinstance(layer, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, layer) and got.is_contiguous()
+    else:
+        assert not isinstance(got, torch.Tensor)
+        assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, layer, strict=True))
+
+
+def test_a_layer_of_the_wrong_kind_or_dtype_is_refused() -> None:
+    pages = torch.zeros(2, 2, BLOCK, 8, dtype=torch.float16)
+    k = torch.ones(BLOCK, 2, 4).half()
+    with pytest.raises(InvalidRequestError, match="shape"):
+        scatter_layer(pages, [0], k, MHA)  # one tensor for a (k, v) layout
+    with pytest.raises(InvalidRequestError, match="float32"):
+        scatter_layer(pages, [0], (k.float(), k.float()), MHA)
+    with pytest.raises(InvalidRequestError, match="shape"):  # as many values, other rows
+        scatter_layer(pages, [0], (k.reshape(BLOCK, 4, 2), k.reshape(BLOCK, 4, 2)), MHA)
+    assert pages.abs().sum() == 0
+    scatter_layer(pages, [0], (k, k), MHA)  # control: the right layer is written
+    assert pages[0].abs().sum() > 0

@@ -53,6 +53,25 @@ def check_page_shape(kv_layer: torch.Tensor, layout: KVLayout, block_tokens: int
         )
 
 
+def _check_layer(layer: Layer, layout: KVLayout, dtype: torch.dtype, rows: int) -> None:
+    """Refuse a layer that is not ``rows`` rows of the layout, in the pages' dtype: reshaped
+    into the pages, rows of another shape with as many values would land scrambled."""
+    expected = (
+        [(rows, layout.values_per_token)]
+        if layout.kind == "mla"
+        else [(rows, layout.num_kv_heads, layout.head_dim)] * 2
+    )
+    tensors = [layer] if isinstance(layer, torch.Tensor) else list(layer)
+    shapes = [tuple(t.shape) for t in tensors]
+    if shapes != expected:
+        raise InvalidRequestError(
+            f"a layer of shape(s) {shapes} does not fill these pages: expected {expected}"
+        )
+    for tensor in tensors:
+        if tensor.dtype != dtype:
+            raise InvalidRequestError(f"a layer of {tensor.dtype} for pages of {dtype}")
+
+
 def _blocks(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
 
@@ -78,13 +97,10 @@ def scatter_layer(
     pages = typed_view(kv_layer, layout)
     check_page_shape(pages, layout, pages.shape[2])
     blocks, heads, tokens, cell = len(block_ids), pages.shape[1], pages.shape[2], pages.shape[3]
+    _check_layer(layer, layout, pages.dtype, blocks * tokens)
     if isinstance(layer, torch.Tensor):
         rows = layer.reshape(-1, 1, cell)
     else:
         rows = torch.cat((layer[0], layer[1]), dim=-1)
-    if rows.shape[0] != blocks * tokens:
-        raise InvalidRequestError(
-            f"a layer of {rows.shape[0]} tokens does not fill {blocks} pages of {tokens}"
-        )
     paged = rows.reshape(blocks, tokens, heads, cell).permute(0, 2, 1, 3)
     pages.index_copy_(0, _blocks(block_ids, pages.device), paged.to(pages.device))
