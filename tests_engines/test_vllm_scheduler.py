@@ -32,9 +32,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from tenantkv.config import CacheConfig as TenantKVConfig
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, RequestTenant
 from tenantkv.integrations.vllm import TenantKVConnector
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
+from tenantkv.integrations.vllm.settings import ENGINE_WINDOW, ConnectorSettings
 from tenantkv.tenant_assertion import AssertionSigner
 from tests.indexes import Index
 from tests_engines.conftest import BLOCK
@@ -342,3 +344,18 @@ def test_load_never_asked_for_is_reported_not_left_half_done(
     (load,) = meta.loads
     errors = setup.run_worker(meta, hooks=False)
     assert errors == set(load.block_ids)  # vLLM recomputes them instead of reading zeros
+
+
+def test_the_connectors_cache_keeps_a_longer_window_unless_told(
+    setup: Setup, gateway_pem: str
+) -> None:
+    plain = ConnectorSettings.from_extra_config(
+        {"root": "r", "gateway_public_keys": [gateway_pem]}, "m"
+    )
+    library_default = TenantKVConfig().read_ahead  # one per core, at least 2
+    assert plain.open_options["window"] == max(ENGINE_WINDOW, library_default)
+    told = ConnectorSettings.from_extra_config(
+        {"root": "r", "gateway_public_keys": [gateway_pem], "open_options": {"window": 3}}, "m"
+    )
+    assert told.open_options["window"] == 3  # an operator's own window wins
+    assert setup.kv.context.runtime.window == max(ENGINE_WINDOW, library_default)  # in use
