@@ -37,9 +37,10 @@ from ..engine_cache import shared_cache as _shared_cache
 #: Layers a load keeps ready ahead of the model in the connector's cache (``window``). The model
 #: asks for layer after layer faster than loader threads held back by a short window can be
 #: woken for each: vLLM on CPU (8-layer model, 256-2,048-token hits) waited 0.4-0.9 ms for
-#: every layer past the second with the default of 2, none with 8 or more, and its hits took
-#: 10-30% less time (docs/perf.md, "vLLM on CPU"). Memory: up to this many layers of each
-#: running load at once (8 x 9.4 MB for an 8K-token DeepSeek-V3 prefix).
+#: every layer past the second with the default of 2 and 0.01-0.02 ms with 16, and with 8 its
+#: hits took 7-23% less time (2% where the first read after a store goes to the disk;
+#: docs/perf.md, "vLLM on CPU"). Memory: up to this many layers of each running load at once
+#: (8 x 9.4 MB for an 8K-token DeepSeek-V3 prefix).
 ENGINE_WINDOW = 8
 
 
