@@ -33,6 +33,7 @@ from typing_extensions import Buffer
 
 from .base import BlockStore, ExtentReader, ExtentWriter
 from .errors import ExtentNotFoundError, ShortReadError, StorageError
+from .recent_writes import RecentWrites, Reservation, file_identity
 
 _EXTENT_SUFFIX = ".tkx"
 _ID_PATTERN = re.compile(r"[0-9a-f]{32}")
@@ -169,6 +170,10 @@ class _LocalWriter(ExtentWriter):
         self._end = 0  # the end of the furthest non-empty write
         self._reserved = False
         self._done = False
+        # The extent's region of the store's ring of recent writes (recent_writes.py), once
+        # reserved, and how many bytes went into it (all of them, or the ring does not keep it).
+        self._ring: Reservation | None = None
+        self._ring_bytes = 0
 
     def reserve(self, size: int) -> None:
         """With direct writes, allocate the extent's blocks now (``fallocate(2)``, which also
@@ -178,6 +183,9 @@ class _LocalWriter(ExtentWriter):
         here, before anything is sealed. Where the file system cannot, writes allocate as they
         go (no emulation: glibc's ``posix_fallocate`` would write every block)."""
         fd = self._fd
+        ring = self._store.recent
+        if ring is not None and self._ring is None and self._direct and not self._done:
+            self._ring = ring.reserve(self._id, size)
         if fd is None or self._done or not self._direct or size <= 0 or _FALLOCATE is None:
             return
         if _FALLOCATE(fd, 0, ctypes.c_int64(0), ctypes.c_int64(size)) == 0:
@@ -190,6 +198,11 @@ class _LocalWriter(ExtentWriter):
         raise StorageError(f"reserving {size} bytes for the extent failed: {os.strerror(code)}")
 
     def scratch(self, offset: int, size: int) -> memoryview:
+        ring = self._ring
+        if ring is not None and offset + size <= len(ring.view):
+            # The extent's own place in the ring: page-aligned like the file, so the direct
+            # writes go out from it, and kept for the first loads with no copy.
+            return ring.view[offset : offset + size]
         if not self._direct:
             return super().scratch(offset, size)
         pages = _thread_pages()
@@ -215,6 +228,8 @@ class _LocalWriter(ExtentWriter):
                 self._end = max(self._end, end)
         first = -(-offset // _DIRECT_ALIGN) * _DIRECT_ALIGN  # first page boundary inside
         last = end // _DIRECT_ALIGN * _DIRECT_ALIGN  # last page boundary inside
+        if self._ring is not None and view:
+            self._keep_in_ring(offset, view)
         try:
             if not self._direct:
                 _pwrite_all(fd, view, offset)
@@ -226,8 +241,24 @@ class _LocalWriter(ExtentWriter):
             self._keep(last, view[last - offset :])
             self._write_pages(first, view[first - offset : last - offset])
         except OSError as err:
-            self.abort()
+            self._abort_file()  # the ring's region: at the owner's abort
             raise StorageError(f"writing extent failed: {err}") from err
+
+    def _keep_in_ring(self, offset: int, view: memoryview) -> None:
+        """Have the ring hold ``view`` at ``offset``: already so when it was written from the
+        ring's own scratch memory, else copied in (a write past the region is not, so the
+        extent is then not kept)."""
+        ring = self._ring
+        if ring is None:
+            return
+        end = offset + len(view)
+        if end > len(ring.view):  # past its region: not kept (the bytes will not add up)
+            return
+        target = ring.view[offset:end]
+        if _address(target) != _address(view):
+            target[:] = view
+        with self._lock:
+            self._ring_bytes += len(view)
 
     def _keep(self, offset: int, piece: memoryview) -> None:
         """Keep a piece of a partly covered page for the commit (a copy: the caller reuses
@@ -311,9 +342,35 @@ class _LocalWriter(ExtentWriter):
             self.abort()
             raise StorageError(f"committing extent failed: {err}") from err
         self._done = True
+        self._publish_ring(final)
         return self._id
 
+    def _publish_ring(self, final: Path) -> None:
+        """After the commit: the ring keeps the extent when every byte of it went through the
+        writer (writes never overlap, so the bytes written add up to its size)."""
+        ring, self._ring = self._ring, None
+        if ring is None:
+            return
+        try:
+            identity = file_identity(final)
+        except OSError:
+            ring.abort()
+            return
+        if self._ring_bytes != self._end or identity[2] != self._end:
+            ring.abort()
+            return
+        ring.commit(self._end, identity)
+
     def abort(self) -> None:
+        # The ring's region is given back only here and at commit, where no worker writes any
+        # more (the caller waits for its workers first), never from inside a failing write_at:
+        # another worker may still be sealing into its scratch slice of the region.
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.abort()
+        self._abort_file()
+
+    def _abort_file(self) -> None:
         if self._done:
             return
         self._done = True
@@ -492,7 +549,9 @@ class LocalBlockStore(BlockStore):
 
     ``direct`` writes extents with ``O_DIRECT``, past the page cache (see :class:`_LocalWriter`);
     by default a durable store does, where the platform and file system allow it. A store does
-    not then leave its extent in the page cache: the first load of it reads the device.
+    not then leave its extent in the page cache; with ``recent_bytes`` the store keeps the
+    extents it wrote last in a ring of that much memory (``recent_writes.py``), so their first
+    loads read memory, not the device.
 
     Every directory is owner-only (0700) and every file 0600; opening a store whose directories
     group or others can reach fixes them, with a logged warning.
@@ -505,12 +564,15 @@ class LocalBlockStore(BlockStore):
         durable: bool = True,
         map_reads: bool | None = None,
         direct: bool | None = None,
+        recent_bytes: int = 0,
     ) -> None:
         """``map_reads``: let loads decrypt straight out of mapped extents (see
         :meth:`ExtentReader.mapped`); default: on a local disk or memory file system, not on a
         network or FUSE mount, and not when extents are written ``direct``: the page cache then
         holds them in small pages, which loads read faster with ``preadv`` (docs/perf.md).
-        ``direct``: write extents with ``O_DIRECT`` (default: when ``durable``)."""
+        ``direct``: write extents with ``O_DIRECT`` (default: when ``durable``).
+        ``recent_bytes``: memory for the ring of recently written extents (only with
+        ``direct``: otherwise the page cache holds them already); 0 keeps none."""
         self.root = Path(root)
         self.durable = durable
         #: Whether new extents are written with O_DIRECT (False once the file system refused).
@@ -525,6 +587,10 @@ class LocalBlockStore(BlockStore):
         if map_reads is None:
             map_reads = not self.direct and file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
         self.map_reads = map_reads
+        if recent_bytes < 0:
+            raise ValueError("recent_bytes must not be negative")
+        #: The ring of recently written extents, or None.
+        self.recent = RecentWrites(recent_bytes) if recent_bytes and self.direct else None
 
     def refuse_direct(self, reason: str) -> None:
         """Write buffered from now on: the file system under ``root`` refused O_DIRECT."""
@@ -551,10 +617,18 @@ class LocalBlockStore(BlockStore):
             raise StorageError(f"creating extent {extent_id} failed: {err}") from err
 
     def open(self, extent_id: str) -> ExtentReader:
-        return _LocalReader(self.path_of(extent_id), map_reads=self.map_reads)
+        path = self.path_of(extent_id)
+        if self.recent is not None:
+            reader = self.recent.open(extent_id, lambda: file_identity(path))
+            if reader is not None:
+                return reader
+        return _LocalReader(path, map_reads=self.map_reads)
 
     def prefetch(self, extent_id: str, ranges: Sequence[tuple[int, int]]) -> None:
-        """Ask the kernel to read the ranges into the page cache (``POSIX_FADV_WILLNEED``)."""
+        """Ask the kernel to read the ranges into the page cache (``POSIX_FADV_WILLNEED``),
+        unless the ring of recent writes holds the extent (its loads read memory already)."""
+        if self.recent is not None and self.recent.holds(extent_id):
+            return
         try:
             fd = os.open(self.path_of(extent_id), os.O_RDONLY | os.O_CLOEXEC)
         except (OSError, ExtentNotFoundError):
@@ -568,6 +642,8 @@ class LocalBlockStore(BlockStore):
             os.close(fd)
 
     def delete(self, extent_id: str) -> bool:
+        if self.recent is not None:
+            self.recent.drop(extent_id)
         try:
             self.path_of(extent_id).unlink()
         except (FileNotFoundError, ExtentNotFoundError):
@@ -584,6 +660,10 @@ class LocalBlockStore(BlockStore):
                 stem = entry.name.removesuffix(_EXTENT_SUFFIX)
                 if entry.name.endswith(_EXTENT_SUFFIX) and _ID_PATTERN.fullmatch(stem):
                     yield stem
+
+    def close(self) -> None:
+        if self.recent is not None:
+            self.recent.close()
 
     def modified_at(self, extent_id: str) -> float:
         try:

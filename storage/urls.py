@@ -69,13 +69,22 @@ def check_block_store_url(url: str) -> None:
 
 
 def _open_tier(
-    url: str, *, durable: bool, map_reads: bool | None, direct_writes: bool | None
+    url: str,
+    *,
+    durable: bool,
+    map_reads: bool | None,
+    direct_writes: bool | None,
+    recent_writes_bytes: int,
 ) -> BlockStore:
     if urlparse(url).scheme == "file":
         from .local import LocalBlockStore
 
         return LocalBlockStore(
-            file_path(url), durable=durable, map_reads=map_reads, direct=direct_writes
+            file_path(url),
+            durable=durable,
+            map_reads=map_reads,
+            direct=direct_writes,
+            recent_bytes=recent_writes_bytes,
         )
     try:
         from .redis_store import RedisBlockStore
@@ -97,15 +106,24 @@ def open_block_store(
     durable: bool = True,
     map_reads: bool | None = None,
     direct_writes: bool | None = None,
+    recent_writes_bytes: int = 0,
 ) -> BlockStore:
-    """The store ``url`` names. Nothing connects yet: Redis connects on first use."""
+    """The store ``url`` names. Nothing connects yet: Redis connects on first use.
+    ``recent_writes_bytes``: the ring of recently written extents of a directory written with
+    ``O_DIRECT`` (``recent_writes.py``)."""
     check_block_store_url(url)
     tiers = split_tiers(url)
     stores: list[BlockStore] = []
     try:
         for tier in tiers:
             stores.append(
-                _open_tier(tier, durable=durable, map_reads=map_reads, direct_writes=direct_writes)
+                _open_tier(
+                    tier,
+                    durable=durable,
+                    map_reads=map_reads,
+                    direct_writes=direct_writes,
+                    recent_writes_bytes=recent_writes_bytes,
+                )
             )
     except BaseException:
         for store in stores:
