@@ -77,9 +77,10 @@ class CacheConfig:
     map_reads: bool | None = None
     #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores where
     #: page-cache pages are costly to allocate, and a large store evicts no other tenant's hot
-    #: extents; but a prefix's next load then reads the disk, and the page cache later holds
-    #: it in small pages, which ``preadv`` reads faster than a mapping (so ``map_reads``
-    #: defaults to off with it; docs/perf.md). Default (None): on for durable stores.
+    #: extents; but a prefix's next load then reads the disk (unless it is still in the ring
+    #: of recent writes, ``recent_writes_bytes``), and the page cache later holds it in small
+    #: pages, which ``preadv`` reads faster than a mapping (so ``map_reads`` defaults to off
+    #: with it; docs/perf.md). Default (None): on for durable stores.
     direct_writes: bool | None = None
     #: Memory that keeps the sealed bytes of the extents this process wrote last, so that
     #: their first loads read memory instead of the device, where extents are written with
