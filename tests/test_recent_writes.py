@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tenantkv
+from tenantkv.config import CacheConfig
+from tenantkv.errors import InvalidRequestError
 from tenantkv.storage.errors import ExtentNotFoundError, ShortReadError
 from tenantkv.storage.local import LocalBlockStore
 from tenantkv.storage.recent_writes import RecentWrites, Reservation
@@ -247,3 +249,15 @@ def test_a_durable_caches_first_load_after_a_store_reads_the_ring(
         with namespace.load(tokens) as stream:
             again = [layer for _, layer in stream]
         assert all(torch.equal(a[0], b[0]) for a, b in zip(again, got, strict=True))
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "256"])
+def test_the_rings_size_takes_only_a_non_negative_integer(bad: object) -> None:
+    with pytest.raises(InvalidRequestError, match="recent_writes_bytes"):
+        CacheConfig(recent_writes_bytes=bad)  # type: ignore[arg-type]
+    assert CacheConfig(recent_writes_bytes=0).recent_writes_bytes == 0  # control: 0 is off
+
+
+def test_the_rings_size_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENANTKV_RECENT_WRITES_BYTES", "4096")
+    assert CacheConfig.from_env().recent_writes_bytes == 4096
