@@ -28,7 +28,7 @@ from .metering import Meter
 from .metrics import DataPlaneMetrics, new_metrics
 from .runtime import Runtime
 from .serving import ServingPolicy
-from .storage import BlockStore, TieredBlockStore
+from .storage import BlockStore, LocalBlockStore, TieredBlockStore
 from .use_records import UseRecords
 
 
@@ -86,6 +86,9 @@ def build_context(
         metrics.watch_tiers(
             lambda: {tier: counts.get("hits", 0) for tier, counts in tiered.stats().items()}
         )
+    ring = blocks.recent if isinstance(blocks, LocalBlockStore) else None
+    if ring is not None:  # opens served by the ring of recent writes (storage/recent_writes.py)
+        metrics.watch_tiers(lambda: {"recent_writes": ring.served})
     return CacheContext(
         config=config,
         index=index,

@@ -189,3 +189,23 @@ def test_tier_hits_degraded_operations_and_scrub_level_are_read_when_scraped(
     assert sample(kv, "tenantkv_scrub_pending") == 0
     kv.context.health.set(SCRUB_PENDING, 1)  # what the shredding service sets
     assert sample(kv, "tenantkv_scrub_pending") == 1
+
+
+def test_opens_served_by_the_ring_of_recent_writes_are_counted(
+    tmp_path: Path, index: Index
+) -> None:
+    tokens = random_tokens(TOKENS, seed=9)
+    with tenantkv.open(tmp_path / "cache") as kv:  # durable: extents written with O_DIRECT
+        if getattr(kv.context.blocks, "recent", None) is None:
+            pytest.skip("this platform has no O_DIRECT")
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        assert ns.store(tokens, random_layers(MLA_SMALL, TOKENS, seed=9)) == TOKENS
+        assert sample(kv, "tenantkv_tier_hits_total", tier="recent_writes") == 0
+        assert load_layers(ns, tokens) == LAYERS
+        assert sample(kv, "tenantkv_tier_hits_total", tier="recent_writes") == 1
+    with tenantkv.open(tmp_path / "cache", recent_writes_bytes=0) as kv:  # control: no ring
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        assert load_layers(ns, tokens) == LAYERS
+        labels = {"tier": "recent_writes"}
+        assert registry_of(kv).get_sample_value("tenantkv_tier_hits_total", labels) is None
