@@ -26,7 +26,7 @@ from typing import Self
 
 from typing_extensions import Buffer
 
-from .errors import StorageError
+from .errors import ShortReadError, StorageError
 
 _scratch = threading.local()
 
@@ -109,6 +109,25 @@ class ExtentWriter(abc.ABC):
     ) -> None:
         if exc_type is not None:
             self.abort()
+
+
+def copy_from_view(source: memoryview, offset: int, targets: Sequence[memoryview]) -> None:
+    """Fill ``targets`` (byte views) in order with the bytes of ``source`` from ``offset``: the
+    :meth:`ExtentReader.readinto` of a reader holding its extent in memory (a mapped file, the
+    ring of recent writes). Past ``source``'s end: what there is, then ShortReadError (a read
+    of zero bytes succeeds anywhere)."""
+    position = offset
+    for target in targets:
+        end = position + len(target)
+        if end > len(source) and target:
+            available = max(0, len(source) - position)
+            target[:available] = source[position : position + available]
+            raise ShortReadError(
+                f"extent ended at byte {len(source)}, wanted up to "
+                f"{offset + sum(len(t) for t in targets)}"
+            )
+        target[:] = source[position:end]
+        position = end
 
 
 class ExtentReader(abc.ABC):

@@ -31,7 +31,7 @@ from typing import Any
 
 from typing_extensions import Buffer
 
-from .base import BlockStore, ExtentReader, ExtentWriter
+from .base import BlockStore, ExtentReader, ExtentWriter, copy_from_view
 from .errors import ExtentNotFoundError, ShortReadError, StorageError
 from .recent_writes import RecentWrites, Reservation, file_identity
 
@@ -434,7 +434,7 @@ class _LocalReader(ExtentReader):
     def readinto(self, offset: int, buffers: Sequence[Buffer]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
         if self._view is not None:
-            self._copy_out(self._view, offset, views)
+            copy_from_view(self._view, offset, views)
             return
         if self._fd is None:
             raise StorageError("extent reader is closed")
@@ -460,20 +460,6 @@ class _LocalReader(ExtentReader):
                     f"extent ended at byte {offset + done}, wanted up to {offset + wanted}"
                 )
             done += got
-
-    def _copy_out(self, mapped: memoryview, offset: int, views: list[memoryview]) -> None:
-        position = offset
-        for view in views:
-            end = position + len(view)
-            if end > self._size and view:  # a read of zero bytes succeeds anywhere
-                available = max(0, self._size - position)
-                view[:available] = mapped[position : position + available]
-                raise ShortReadError(
-                    f"extent ended at byte {self._size}, wanted up to "
-                    f"{offset + sum(len(v) for v in views)}"
-                )
-            view[:] = mapped[position:end]
-            position = end
 
     def mapped(self) -> memoryview | None:
         """The extent's mapping, when the store maps reads (``map_reads``, see

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 from typing_extensions import Buffer
 
-from .base import ExtentReader
-from .errors import ShortReadError, StorageError
+from .base import ExtentReader, copy_from_view
+from .errors import StorageError
 
 #: What identifies a file: a replaced or truncated file differs in one of these.
 FileIdentity = tuple[int, int, int]
@@ -228,17 +228,7 @@ class _RingReader(ExtentReader):
         view = self._view
         if view is None:
             raise StorageError("extent reader is closed")
-        targets = [memoryview(buffer).cast("B") for buffer in buffers]
-        wanted = offset + sum(len(target) for target in targets)
-        position = offset
-        for target in targets:
-            end = position + len(target)
-            if end > self._size and target:  # a read of zero bytes succeeds anywhere
-                available = max(0, self._size - position)
-                target[:available] = view[position : position + available]
-                raise ShortReadError(f"extent ended at byte {self._size}, wanted up to {wanted}")
-            target[:] = view[position:end]
-            position = end
+        copy_from_view(view, offset, [memoryview(buffer).cast("B") for buffer in buffers])
 
     def mapped(self) -> memoryview | None:
         return self._view
