@@ -150,9 +150,11 @@ class ExtentReader(abc.ABC):
     def close(self) -> None:
         """Release the handle; idempotent."""
 
-    def mapped(self) -> memoryview | None:
+    def mapped(self, segment_bytes: int = 0) -> memoryview | None:
         """The whole extent as a read-only view of the operating system's page cache, or
-        ``None`` when this reader cannot map it (then read with :meth:`readinto`).
+        ``None`` when this reader cannot map it, or reads segments of ``segment_bytes`` (the
+        size the caller will open; 0: not known) faster into a buffer (then read with
+        :meth:`readinto`).
 
         Loads decrypt straight out of the view into their destination: one pass over memory
         fewer than reading into a buffer and decrypting that (docs/perf.md). The view is valid

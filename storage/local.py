@@ -390,11 +390,47 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += written
 
 
+_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+_PROBE_BYTES = 4 * 4096 + 1  # at least five pages, whatever the alignment
+
+
+def _in_page_cache(fd: int, size: int) -> bool:
+    """Whether three spans of the file (a quarter, half and three quarters in) are in the page
+    cache: reads that stop rather than wait for the device (``RWF_NOWAIT``). True where that
+    cannot be told.
+
+    Lazily mapped extents are mapped only then: a fault on a page that is not cached reads
+    the device a little at a time, and cold loads out of a mapping ran 25% slower than
+    ``preadv``'s large reads (docs/perf.md). Each span covers several pages, since the edges
+    of an ``O_DIRECT`` writer's regions are written through the page cache: a single byte
+    there reads as cached while the pages around it are on the device only."""
+    if size <= 0:
+        return False
+    if _RWF_NOWAIT is None:
+        return True
+    probe = bytearray(_PROBE_BYTES)
+    for offset in (size // 4, size // 2, 3 * size // 4):
+        length = min(_PROBE_BYTES, size - offset)
+        try:
+            if os.preadv(fd, [memoryview(probe)[:length]], offset, _RWF_NOWAIT) != length:
+                return False
+        except BlockingIOError:
+            return False
+        except OSError:  # the file system does not take RWF_NOWAIT
+            return True
+    return True
+
+
 class _LocalReader(ExtentReader):
     """One extent file, mapped read-only when the store allows it (see :meth:`mapped`), else
-    read with ``preadv``."""
+    read with ``preadv``.
 
-    def __init__(self, path: Path, *, map_reads: bool) -> None:
+    ``map_from``: the smallest segment size the reader maps for (0: any, mapped at open; None:
+    never). Above 0 the file is mapped on the first :meth:`mapped` call that asks for segments
+    that large, and the descriptor stays open beside the mapping: another thread may be in
+    :meth:`readinto` with it."""
+
+    def __init__(self, path: Path, *, map_from: int | None) -> None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -404,28 +440,33 @@ class _LocalReader(ExtentReader):
         self._fd: int | None = fd
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
+        self._map_from = map_from
+        self._mapping = threading.Lock()  # one lazy mapping per reader
         try:
             self._size = os.fstat(fd).st_size
-            if map_reads and self._size > 0:
-                self._map_file(fd)
+            if map_from == 0 and self._size > 0:
+                self._map_file(fd, keep_fd=False)
         except BaseException:
             self.close()
             raise
 
-    def _map_file(self, fd: int) -> None:
-        """Map the file (``MAP_SHARED``, read-only: the page cache's own pages) and close our
-        descriptor, since the mapping holds one of its own; a failed mapping leaves the
-        reader reading with ``preadv``."""
+    def _map_file(self, fd: int, *, keep_fd: bool) -> None:
+        """Map the file (``MAP_SHARED``, read-only: the page cache's own pages) and, unless
+        ``keep_fd``, close our descriptor, since the mapping holds one of its own; a failed
+        mapping leaves the reader reading with ``preadv``."""
         try:
-            self._map = mmap.mmap(fd, self._size, prot=mmap.PROT_READ)
+            file_map = mmap.mmap(fd, self._size, prot=mmap.PROT_READ)
         except (OSError, ValueError) as err:
             logger.debug("mapping an extent failed (%s); reading it instead", err)
+            self._map_from = None
             return
         with contextlib.suppress(OSError, AttributeError):  # advisory
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        self._view = memoryview(self._map)
-        os.close(fd)
-        self._fd = None
+            file_map.madvise(mmap.MADV_HUGEPAGE)
+        self._map = file_map
+        self._view = memoryview(file_map)
+        if not keep_fd:
+            os.close(fd)
+            self._fd = None
 
     @property
     def size(self) -> int:
@@ -461,15 +502,20 @@ class _LocalReader(ExtentReader):
                 )
             done += got
 
-    def mapped(self) -> memoryview | None:
-        """The extent's mapping, when the store maps reads (``map_reads``, see
-        :class:`LocalBlockStore`).
+    def mapped(self, segment_bytes: int = 0) -> memoryview | None:
+        """The extent's mapping, when the store maps reads of segments this large
+        (``map_reads``, :attr:`LocalBlockStore.mapped_segment_bytes`).
 
         Only on file systems where a mapped page cannot vanish: touching a mapped page of a
         file that was truncated, or that a network file system lost, raises SIGBUS and kills
         the process. Extents are never truncated: written once, renamed into place, and
         unlinked when deleted (an unlinked file stays readable while mapped).
         """
+        if self._view is None and self._map_from is not None and segment_bytes >= self._map_from:
+            with self._mapping:
+                fd = self._fd
+                if self._view is None and fd is not None and _in_page_cache(fd, self._size):
+                    self._map_file(fd, keep_fd=True)
         return self._view
 
     def done_with(self, offset: int, length: int) -> None:
@@ -505,6 +551,15 @@ class _LocalReader(ExtentReader):
 _MAPPABLE_FILE_SYSTEMS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay"}
 )
+
+
+#: Where extents are written with ``O_DIRECT`` and ``map_reads`` is left to its default, loads
+#: open segments at least this large straight out of a mapping and read smaller ones with
+#: ``preadv``. Such extents enter the page cache by reads, in small pages; for segments of
+#: 72 KiB (64 tokens of an MLA layer) mapping them was slower than reading them (8K-token
+#: loads 4.1 against 4.8 GB/s), from 144 KiB on it was faster (5.8 against 5.4; 288 KiB:
+#: 6.7 against 6.0; an MHA model's 256 KiB: 7.5 against 6.2; docs/perf.md).
+MAPPED_SEGMENT_BYTES = 128 * 1024
 
 
 def file_system_type(path: Path) -> str | None:
@@ -554,8 +609,9 @@ class LocalBlockStore(BlockStore):
     ) -> None:
         """``map_reads``: let loads decrypt straight out of mapped extents (see
         :meth:`ExtentReader.mapped`); default: on a local disk or memory file system, not on a
-        network or FUSE mount, and not when extents are written ``direct``: the page cache then
-        holds them in small pages, which loads read faster with ``preadv`` (docs/perf.md).
+        network or FUSE mount; where extents are written ``direct``, only for segments of at
+        least :data:`MAPPED_SEGMENT_BYTES`: the page cache then holds them in small pages, which
+        loads read faster with ``preadv`` in small segments (docs/perf.md).
         ``direct``: write extents with ``O_DIRECT`` (default: when ``durable``).
         ``recent_bytes``: memory for the ring of recently written extents (only with
         ``direct``: otherwise the page cache holds them already); 0 keeps none."""
@@ -570,9 +626,18 @@ class LocalBlockStore(BlockStore):
         for shard in self.extent_dir.iterdir():
             if shard.is_dir():
                 _private_dir(shard)
+        #: Whether loads map extents whatever their segments' size.
+        self.map_reads: bool
+        #: The smallest segment loads open out of a mapping (0: any; None: none are mapped).
+        self.mapped_segment_bytes: int | None
         if map_reads is None:
-            map_reads = not self.direct and file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
-        self.map_reads = map_reads
+            mappable = file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
+            self.map_reads = mappable and not self.direct
+            large_only = MAPPED_SEGMENT_BYTES if mappable else None
+            self.mapped_segment_bytes = 0 if self.map_reads else large_only
+        else:
+            self.map_reads = map_reads
+            self.mapped_segment_bytes = 0 if map_reads else None
         if recent_bytes < 0:
             raise ValueError("recent_bytes must not be negative")
         #: The ring of recently written extents, or None.
@@ -608,7 +673,7 @@ class LocalBlockStore(BlockStore):
             reader = self.recent.open(extent_id, lambda: file_identity(path))
             if reader is not None:
                 return reader
-        return _LocalReader(path, map_reads=self.map_reads)
+        return _LocalReader(path, map_from=self.mapped_segment_bytes)
 
     def prefetch(self, extent_id: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Ask the kernel to read the ranges into the page cache (``POSIX_FADV_WILLNEED``),

@@ -230,8 +230,8 @@ class _RingReader(ExtentReader):
             raise StorageError("extent reader is closed")
         copy_from_view(view, offset, [memoryview(buffer).cast("B") for buffer in buffers])
 
-    def mapped(self) -> memoryview | None:
-        return self._view
+    def mapped(self, segment_bytes: int = 0) -> memoryview | None:
+        return self._view  # memory of the process's own: mapped at any segment size
 
     def close(self) -> None:
         entry, self._entry, self._view = self._entry, None, None

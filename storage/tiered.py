@@ -172,9 +172,9 @@ class _TieredReader(ExtentReader):
         self._tier = cold
         self._reader.readinto(offset, buffers)
 
-    def mapped(self) -> memoryview | None:
+    def mapped(self, segment_bytes: int = 0) -> memoryview | None:
         """The current tier's mapping, when it has one (a local file tier)."""
-        return self._reader.mapped() if self._reader is not None else None
+        return self._reader.mapped(segment_bytes) if self._reader is not None else None
 
     def done_with(self, offset: int, length: int) -> None:
         if self._reader is not None:

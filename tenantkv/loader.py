@@ -252,7 +252,8 @@ class LoadStream:
         self._segment_bytes = target.block_tokens * layout.token_bytes
         # Extents the store can map are opened straight out of the page cache; the others are
         # read into the worker's staging slot first (docs/perf.md: one pass over memory fewer).
-        self._mapped = {extent_id: reader.mapped() for extent_id, reader in readers.items()}
+        segment = self._segment_bytes
+        self._mapped = {extent_id: reader.mapped(segment) for extent_id, reader in readers.items()}
         all_mapped = all(view is not None for view in self._mapped.values())
         sealed = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
         # A worker needs a staging slot for ciphertext it reads, and for plaintext that is

@@ -17,7 +17,8 @@ import tenantkv
 from tenantkv import KVLayout, TenantKV
 from tenantkv import loader as loader_module
 from tenantkv.storage import LocalBlockStore
-from tenantkv.storage.local import file_system_type
+from tenantkv.storage import local as local_module
+from tenantkv.storage.local import MAPPED_SEGMENT_BYTES, file_system_type
 from tests.helpers import layers_equal, load_all, random_layers, random_tokens
 from tests.indexes import Index
 
@@ -332,3 +333,114 @@ def test_the_cache_passes_its_read_and_write_modes_to_the_store(
         kv.close()
     with pytest.raises(tenantkv.InvalidRequestError, match="direct_writes"):
         tenantkv.open(tmp_path / "bad", direct_writes="yes")
+
+
+# ---- extents written with O_DIRECT: mapped for large segments, once in the page cache ----------
+
+#: 64 tokens of this layout are a 128 KiB segment: the smallest a direct-written extent is
+#: mapped for by default (``MAPPED_SEGMENT_BYTES``).
+LARGE_MHA = KVLayout.mha(2, num_kv_heads=4, head_dim=128, dtype=torch.float16)
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_direct_written_extents_are_mapped_for_large_segments_once_cached(
+    tmp_path: Path,
+) -> None:
+    store = LocalBlockStore(tmp_path / "blocks")  # durable: O_DIRECT, no ring
+    if not store.direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    assert store.map_reads is False
+    assert store.mapped_segment_bytes == MAPPED_SEGMENT_BYTES
+    # Four regions of an odd size, as sealers write segments: the pages at each region's
+    # edges go through the page cache, and the quarter, half and three-quarter marks of the
+    # file fall in such pages.
+    region = MAPPED_SEGMENT_BYTES + 16
+    data = os.urandom(4 * region)
+    with store.create() as writer:
+        for start in range(0, len(data), region):
+            writer.write_at(start, data[start : start + region])
+        extent_id = writer.commit()
+    path = store.path_of(extent_id)
+
+    def mapped(segment_bytes: int) -> bytes | None:
+        with store.open(extent_id) as reader:
+            view = reader.mapped(segment_bytes)
+            copy = None if view is None else bytes(view)
+            del view
+            buffer = bytearray(len(data))  # reads the same either way
+            reader.readinto(0, [buffer])
+            assert bytes(buffer) == data
+        return copy
+
+    # Written past the page cache: not mapped (a fault would read the device page by page),
+    # although the edges of the written regions went through the page cache.
+    assert mapped(MAPPED_SEGMENT_BYTES) is None
+    # The reads above brought it into the page cache: large segments are mapped now...
+    assert mapped(MAPPED_SEGMENT_BYTES) == data
+    # ... small ones never, and not once the page cache has dropped it.
+    assert mapped(MAPPED_SEGMENT_BYTES - 1) is None
+    assert mapped(0) is None
+    _evict(path)
+    assert mapped(MAPPED_SEGMENT_BYTES) is None
+    store.close()
+    # Asked not to map, the store maps nothing, cached or not.
+    unmapped = LocalBlockStore(tmp_path / "blocks", map_reads=False)
+    assert unmapped.mapped_segment_bytes is None
+    with unmapped.open(extent_id) as reader:
+        assert reader.mapped(10 * MAPPED_SEGMENT_BYTES) is None
+    unmapped.close()
+
+
+@pytest.mark.parametrize("mode", ["fresh", "out"])
+def test_a_durable_cache_maps_large_segments_from_the_second_load(
+    tmp_path: Path, index: Index, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answers: list[bool] = []
+    mapped = local_module._LocalReader.mapped
+
+    def recording(reader: Any, segment_bytes: int = 0) -> memoryview | None:
+        view = mapped(reader, segment_bytes)
+        answers.append(view is not None)
+        return view
+
+    monkeypatch.setattr(local_module._LocalReader, "mapped", recording)
+    kv = tenantkv.open(tmp_path / "cache", recent_writes_bytes=0)  # durable, O_DIRECT
+    try:
+        store = kv.context.blocks
+        assert isinstance(store, LocalBlockStore)
+        if not store.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        kv.create_tenant("acme")
+        for layout, name in ((LARGE_MHA, "large"), (MHA, "small")):
+            ns = kv.namespace("acme", model=name, layout=layout)
+            tokens = random_tokens(TOKENS, seed=21)
+            want = random_layers(layout, TOKENS, seed=22)
+            assert ns.store(tokens, want) == TOKENS
+            for _ in range(2):
+                if mode == "fresh":
+                    got = load_all(ns, tokens)
+                else:
+                    shape = (TOKENS, layout.num_kv_heads, layout.head_dim)
+                    got = [
+                        (
+                            torch.zeros(shape, dtype=layout.dtype),
+                            torch.zeros(shape, dtype=layout.dtype),
+                        )
+                        for _ in range(layout.num_layers)
+                    ]
+                    with ns.load(tokens, out=got) as stream:
+                        for _ in stream:
+                            pass
+                assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+        # large segments: the first load read the device (staged), the second mapped the
+        # page cache; small segments (32 KiB) were read staged both times
+        assert answers == [False, True, False, False]
+    finally:
+        kv.close()
