@@ -95,7 +95,14 @@ class _TieredWriter(ExtentWriter):
             return list(self._hot.items())
 
     def reserve(self, size: int) -> None:
+        # Every tier's: a local hot tier allocates the file's blocks and a place in its ring
+        # of recent writes too (its loads then read memory, as the cold tier's would).
         self._cold.reserve(size)
+        for tier, writer in self._hot_writers():
+            try:
+                writer.reserve(size)
+            except StorageError as err:
+                self._drop_hot(tier, err)
 
     def scratch(self, offset: int, size: int) -> memoryview:
         # The cold tier's memory: a local cold tier writes it with O_DIRECT without a copy.

@@ -86,9 +86,18 @@ def build_context(
         metrics.watch_tiers(
             lambda: {tier: counts.get("hits", 0) for tier, counts in tiered.stats().items()}
         )
-    ring = blocks.recent if isinstance(blocks, LocalBlockStore) else None
-    if ring is not None:  # opens served by the ring of recent writes (storage/recent_writes.py)
-        metrics.watch_tiers(lambda: {"recent_writes": ring.served})
+    # The rings of recent writes (storage/recent_writes.py) of a local store, or of a tiered
+    # store's local tiers: opens they served, extents they kept and left out.
+    tiers = blocks.tiers if isinstance(blocks, TieredBlockStore) else [blocks]
+    rings = [t.recent for t in tiers if isinstance(t, LocalBlockStore) and t.recent is not None]
+    if rings:
+        metrics.watch_tiers(lambda: {"recent_writes": sum(ring.served for ring in rings)})
+        metrics.watch_recent_writes(
+            lambda: {
+                "kept": sum(ring.kept for ring in rings),
+                "left_out": sum(ring.left_out for ring in rings),
+            }
+        )
     return CacheContext(
         config=config,
         index=index,

@@ -106,6 +106,12 @@ class DataPlaneMetrics:
         itself with one line: ``kv.context.metrics.watch_tiers(lambda: store.stats()["hits"])``.
         """
 
+    def watch_recent_writes(self, counts: CountsSource) -> None:
+        """Expose ``counts()`` (``kept`` and ``left_out`` extents of the rings of recent writes)
+        as ``tenantkv_recent_writes_extents_total{outcome}``, read at each scrape: extents left
+        out (larger than the ring, or their place still being read) load from the device the
+        first time, so a share that grows says the ring is too small for the stores."""
+
 
 def new_metrics(
     *,
@@ -170,6 +176,8 @@ class _PrometheusMetrics(DataPlaneMetrics):
         self._expired_bytes = counter("tenantkv_expired_bytes", "Bytes of expired extents.")
         self._tiers = _TierHits()
         registry.register(self._tiers)
+        self._recent_writes = _RecentWrites()
+        registry.register(self._recent_writes)
         registry.register(_HealthAndSecurity(health, security_events))
 
     def looked_up(self, tenant: str, hit_tokens: int, miss_tokens: int) -> None:
@@ -207,6 +215,9 @@ class _PrometheusMetrics(DataPlaneMetrics):
     def watch_tiers(self, stats: CountsSource) -> None:
         self._tiers.sources.append(stats)
 
+    def watch_recent_writes(self, counts: CountsSource) -> None:
+        self._recent_writes.sources.append(counts)
+
 
 class _Unlabelled:
     """A metric without labels behind the same ``labels(tenant)`` call as a labelled one."""
@@ -239,6 +250,30 @@ class _TierHits:
                 totals[tier] = totals.get(tier, 0) + int(hits)
         for tier, hits in sorted(totals.items()):
             family.add_metric([tier], hits)
+        yield family
+
+
+class _RecentWrites:
+    """``tenantkv_recent_writes_extents_total{outcome}`` from the rings' own counts, at scrape
+    time; no series without a ring."""
+
+    _OUTCOMES = ("kept", "left_out")
+
+    def __init__(self) -> None:
+        self.sources: list[CountsSource] = []
+
+    def describe(self) -> list[Any]:
+        return [CounterMetricFamily("tenantkv_recent_writes_extents", "", labels=["outcome"])]
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily(
+            "tenantkv_recent_writes_extents",
+            "Extents written with O_DIRECT that the ring of recent writes kept or left out.",
+            labels=["outcome"],
+        )
+        if self.sources:
+            for outcome in self._OUTCOMES:
+                family.add_metric([outcome], sum(int(s().get(outcome, 0)) for s in self.sources))
         yield family
 
 

@@ -209,3 +209,42 @@ def test_opens_served_by_the_ring_of_recent_writes_are_counted(
         assert load_layers(ns, tokens) == LAYERS
         labels = {"tier": "recent_writes"}
         assert registry_of(kv).get_sample_value("tenantkv_tier_hits_total", labels) is None
+
+
+def test_a_tiered_stores_local_rings_count_their_hits_and_the_extents_they_keep(
+    tmp_path: Path, index: Index
+) -> None:
+    tokens = random_tokens(TOKENS, seed=10)
+    url = f"file://{tmp_path / 'hot'},file://{tmp_path / 'cold'}"
+    with tenantkv.open(tmp_path / "cache", block_store_url=url) as kv:  # durable: O_DIRECT
+        tiers = getattr(kv.context.blocks, "tiers", [])
+        if len(tiers) != 2 or any(tier.recent is None for tier in tiers):
+            pytest.skip("this platform has no O_DIRECT")
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        assert ns.store(tokens, random_layers(MLA_SMALL, TOKENS, seed=10)) == TOKENS
+        # both tiers wrote the extent, and each tier's ring kept it
+        assert sample(kv, "tenantkv_recent_writes_extents_total", outcome="kept") == 2
+        assert sample(kv, "tenantkv_recent_writes_extents_total", outcome="left_out") == 0
+        assert load_layers(ns, tokens) == LAYERS
+        assert sample(kv, "tenantkv_tier_hits_total", tier="recent_writes") == 1  # the hot one
+
+
+def test_extents_larger_than_the_ring_are_counted_as_left_out(tmp_path: Path, index: Index) -> None:
+    tokens = random_tokens(TOKENS, seed=11)
+    with tenantkv.open(tmp_path / "cache", recent_writes_bytes=4096) as kv:  # one page
+        if getattr(kv.context.blocks, "recent", None) is None:
+            pytest.skip("this platform has no O_DIRECT")
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        assert ns.store(tokens, random_layers(MLA_SMALL, TOKENS, seed=11)) == TOKENS
+        assert sample(kv, "tenantkv_recent_writes_extents_total", outcome="left_out") == 1
+        assert sample(kv, "tenantkv_recent_writes_extents_total", outcome="kept") == 0
+        assert load_layers(ns, tokens) == LAYERS  # from the disk
+        assert sample(kv, "tenantkv_tier_hits_total", tier="recent_writes") == 0
+    with tenantkv.open(tmp_path / "cache", recent_writes_bytes=0) as kv:  # control: no ring
+        ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        assert load_layers(ns, tokens) == LAYERS
+        labels = {"outcome": "left_out"}
+        registry = registry_of(kv)
+        assert registry.get_sample_value("tenantkv_recent_writes_extents_total", labels) is None
