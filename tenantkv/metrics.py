@@ -272,8 +272,9 @@ class _RecentWrites:
             labels=["outcome"],
         )
         if self.sources:
+            counts = [source() for source in self.sources]
             for outcome in self._OUTCOMES:
-                family.add_metric([outcome], sum(int(s().get(outcome, 0)) for s in self.sources))
+                family.add_metric([outcome], sum(int(c.get(outcome, 0)) for c in counts))
         yield family
 
 

@@ -151,10 +151,25 @@ def run_size(
 
     lmc = lmcache_peer.LMCachePeer(workdir / "lmcache", LAYERS, tokens, VALUES_PER_TOKEN, S.DTYPE)
     lmc.store(torch.tensor(token_ids, dtype=torch.long), want)
+    suites = S.suite_names(tenantkv)
     caches = [
         S.TenantkvPrefix(tenantkv, workdir / f"tenantkv-{suite}", suite, shape, token_ids, want)
-        for suite in S.suite_names(tenantkv)
+        for suite in suites
     ]
+    # The default suite once more at LMCache's granularity: blocks of its chunk size, so a
+    # segment (one block of one layer) is 4x as large, and a load decrypts it in one call.
+    chunk = lmcache_peer.CHUNK_TOKENS
+    caches.append(
+        S.TenantkvPrefix(
+            tenantkv,
+            workdir / f"tenantkv-{suites[0]}-{chunk}",
+            suites[0],
+            shape,
+            token_ids,
+            want,
+            block_tokens=chunk,
+        )
+    )
 
     bufs = [torch.empty(tokens, VALUES_PER_TOKEN, dtype=S.DTYPE).zero_() for _ in range(LAYERS)]
 
@@ -255,21 +270,39 @@ def split_for_page_cache(
     share: float = PAGE_CACHE_SHARE,
 ) -> list[list[S.System]]:
     """Every system in one group when all their files fit ``share`` of the memory available;
-    else three groups, each timed warm in turn: the raw reads and safetensors (their layer
-    files) with the encrypted limit and ceiling; tenantkv; torch.save (whose loads allocate a
-    whole prefix). LMCache, the baseline of every ratio, is timed in each."""
-    paths = {p for s in systems for p in files[id(s)]}
-    if (
-        sum(f.stat().st_size for p in paths for f in _files_under(p))
-        <= share * available_gib * 2**30
-    ):
+    else groups, each timed warm in turn: the raw reads and safetensors (their layer files)
+    with the encrypted limit and ceiling; tenantkv's caches, as many together as fit beside
+    LMCache's files (at least one); torch.save (whose loads allocate a whole prefix). LMCache,
+    the baseline of every ratio, is timed in each."""
+    budget = share * available_gib * 2**30
+
+    def size(paths: set[Path]) -> int:
+        return sum(f.stat().st_size for p in paths for f in _files_under(p))
+
+    if size({p for s in systems for p in files[id(s)]}) <= budget:
         return [systems]
-    kinds = (
-        {"raw", "safetensors", "encrypted-limit", "decrypt-ceiling"},
-        {"tenantkv"},
-        {"torch"},
-    )
-    groups = [[s for s in systems if s.group in kind or s.group == "lmcache"] for kind in kinds]
+    baseline = {id(s) for s in systems if s.group == "lmcache"}
+    room = budget - size({p for s in systems if id(s) in baseline for p in files[id(s)]})
+    caches: dict[Path, list[S.System]] = {}  # tenantkv's systems by their cache's root
+    for s in systems:
+        if s.group == "tenantkv":
+            caches.setdefault(files[id(s)][0], []).append(s)
+    packs: list[set[int]] = []
+    used = 0.0
+    for root, members in caches.items():
+        need = size({root})
+        if packs and used + need <= room:
+            packs[-1].update(id(s) for s in members)
+            used += need
+        else:
+            packs.append({id(s) for s in members})
+            used = need
+    raw = {"raw", "safetensors", "encrypted-limit", "decrypt-ceiling"}
+    groups = [
+        [s for s in systems if s.group in raw or id(s) in baseline],
+        *([s for s in systems if id(s) in baseline or id(s) in pack] for pack in packs),
+        [s for s in systems if s.group == "torch" or id(s) in baseline],
+    ]
     assert {id(s) for group in groups for s in group} == {id(s) for s in systems}
     return groups
 

@@ -449,7 +449,8 @@ def suite_names(tenantkv: Any) -> list[str]:
 
 
 class TenantkvPrefix:
-    """One cache (one cipher suite) holding the prefix in one namespace."""
+    """One cache (one cipher suite) holding the prefix in one namespace: of the namespace's
+    default block size, or ``block_tokens`` (named in the systems' labels)."""
 
     def __init__(
         self,
@@ -459,13 +460,15 @@ class TenantkvPrefix:
         shape: Shape,
         tokens: list[int],
         want: Sequence[torch.Tensor],
+        block_tokens: int | None = None,
     ) -> None:
-        self.suite = suite
+        self.suite = suite if block_tokens is None else f"{suite} {block_tokens}-token blocks"
         self.root = root
         self.kv = tenantkv.open(root, suite=suite)
         self.kv.create_tenant("peers", quota_bytes=4 * shape.total_ct_bytes + 2**30)
+        blocks = {} if block_tokens is None else {"block_tokens": block_tokens}
         self.ns = self.kv.namespace(
-            "peers", model="deepseek-v3", layout=tenantkv_layout(tenantkv, shape.layers)
+            "peers", model="deepseek-v3", layout=tenantkv_layout(tenantkv, shape.layers), **blocks
         )
         stored = self.ns.store(tokens, list(want))
         found = self.ns.lookup(tokens)
