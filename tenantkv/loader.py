@@ -120,6 +120,12 @@ FIRST_LAYER_HANDOVER_S = 0.002
 #: Segments a worker opens between looks at whether a caller woken for layer 0 waits for the
 #: GIL (16 segments of 64 DeepSeek-V3 tokens: ~1.2 MB, ~0.1 ms of decryption).
 HANDOVER_SEGMENTS = 16
+#: Mapped bytes a load has opened are dropped from the process (``ExtentReader.done_with``) once
+#: this many have gathered, not chunk by chunk: every drop zaps page-table entries the other
+#: loader threads' CPUs may cache, and interrupts them to flush those. Per 8 MiB chunk that
+#: cost an 8K-token mapped load ~10% (6.0 against 6.7 GB/s with no drops); in 16 MiB batches
+#: 6.2 (docs/perf.md). A load keeps at most this much more mapped than its chunks in flight.
+MAPPED_DROP_BYTES = 16 * 1024 * 1024
 
 
 def open_readers(store: BlockStore, plan: ReadPlan) -> dict[str, ExtentReader]:
@@ -198,6 +204,17 @@ def split_chunks(plan: ReadPlan, max_segments: int, workers: int = 1) -> list[Ch
     return chunks
 
 
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, end)`` spans sorted, and those that touch or overlap joined."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 @dataclass(frozen=True, slots=True)
 class _Work:
     """A chunk with what opening it needs in every layer, computed once per load."""
@@ -255,6 +272,9 @@ class LoadStream:
         segment = self._segment_bytes
         self._mapped = {extent_id: reader.mapped(segment) for extent_id, reader in readers.items()}
         all_mapped = all(view is not None for view in self._mapped.values())
+        self._opened_lock = threading.Lock()
+        self._opened: dict[str, list[tuple[int, int]]] = {}  # mapped spans not yet dropped
+        self._opened_bytes = 0
         sealed = plan.runs[0].extent.geometry.sealed_bytes if plan.runs else 1
         # A worker needs a staging slot for ciphertext it reads, and for plaintext that is
         # copied out afterwards (MHA out=, CUDA: pinned, so the copy to the device is async).
@@ -539,8 +559,22 @@ class LoadStream:
             return self._classify(extent.extent_id, layer, err)
         finally:
             if mapped is not None:
-                reader.done_with(offset, work.size)
+                self._done_with_mapped(extent.extent_id, offset, work.size)
         return None
+
+    def _done_with_mapped(self, extent_id: str, offset: int, size: int) -> None:
+        """Note a mapped span as opened; drop the gathered spans once there are
+        :data:`MAPPED_DROP_BYTES` of them, adjacent ones together."""
+        with self._opened_lock:
+            self._opened.setdefault(extent_id, []).append((offset, offset + size))
+            self._opened_bytes += size
+            if self._opened_bytes < MAPPED_DROP_BYTES:
+                return
+            opened, self._opened, self._opened_bytes = self._opened, {}, 0
+        for extent_id_, spans in opened.items():
+            reader = self._readers[extent_id_]
+            for start, end in _merged(spans):
+                reader.done_with(start, end - start)
 
     def _open_into_destination(
         self,

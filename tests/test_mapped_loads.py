@@ -3,6 +3,7 @@ them into staging first: the same bytes, the same integrity checks, the same han
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ import torch
 import tenantkv
 from tenantkv import KVLayout, TenantKV
 from tenantkv import loader as loader_module
+from tenantkv.extent_format import HEADER_BYTES
 from tenantkv.storage import LocalBlockStore
 from tenantkv.storage import local as local_module
 from tenantkv.storage.local import MAPPED_SEGMENT_BYTES, file_system_type
@@ -444,3 +446,62 @@ def test_a_durable_cache_maps_large_segments_from_the_second_load(
         assert answers == [False, True, False, False]
     finally:
         kv.close()
+
+
+# ---- mapped spans dropped from the process in batches ---------------------------------------
+
+
+def test_merged_joins_spans_that_touch_or_overlap() -> None:
+    merged = loader_module._merged
+    assert merged([]) == []
+    assert merged([(10, 20), (0, 10), (30, 40), (15, 25)]) == [(0, 25), (30, 40)]
+    assert merged([(5, 6)]) == [(5, 6)]
+
+
+@pytest.mark.parametrize("batch", ["per chunk", "two chunks", "never"])
+def test_a_mapped_load_drops_what_it_opened_in_batches(
+    tmp_path: Path, index: Index, batch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = tenantkv.open(tmp_path / "cache", durable=False, map_reads=True)
+    try:
+        kv.create_tenant("acme")
+        ns = kv.namespace("acme", model="m", layout=MLA)
+        tokens = random_tokens(TOKENS, seed=31)
+        want = random_layers(MLA, TOKENS, seed=32)
+        assert ns.store(tokens, want) == TOKENS
+        segment = 64 * MLA.token_bytes + 16
+        segments = TOKENS // 64 * MLA.num_layers * segment  # the extent's bytes after its header
+        threshold = {"per chunk": 1, "two chunks": 2 * 5 * segment, "never": segments + 1}[batch]
+        monkeypatch.setattr(loader_module, "MAPPED_DROP_BYTES", threshold)
+        dropped: list[tuple[int, int]] = []
+        opened: list[int] = []
+        done_with = local_module._LocalReader.done_with
+        open_chunk = loader_module.LoadStream._open_chunk
+
+        def recording(reader: Any, offset: int, length: int) -> None:
+            dropped.append((offset, offset + length))
+            done_with(reader, offset, length)
+
+        def counting(stream: Any, layer: int, work: Any, slot: Any) -> Any:
+            opened.append(work.size)
+            return open_chunk(stream, layer, work, slot)
+
+        monkeypatch.setattr(local_module._LocalReader, "done_with", recording)
+        monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", counting)
+        got = load_all(ns, tokens)
+        assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        kv.close()
+    assert sum(opened) == segments  # every segment opened once, out of the mapping
+    spans = sorted(dropped)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # no overlaps
+    total = sum(end - start for start, end in spans)
+    if batch == "per chunk":  # each chunk dropped on its own: together, every segment
+        assert len(dropped) == len(opened) > MLA.num_layers
+        assert spans[0][0] == HEADER_BYTES and spans[-1][1] == HEADER_BYTES + segments
+        assert total == segments
+    elif batch == "two chunks":  # fewer drops; what is left under a batch goes at close
+        assert 0 < len(dropped) < len(opened)
+        assert segments - threshold < total <= segments
+    else:
+        assert dropped == []
