@@ -571,8 +571,10 @@ class LoadStream:
             if self._opened_bytes < MAPPED_DROP_BYTES:
                 return
             opened, self._opened, self._opened_bytes = self._opened, {}, 0
-        for extent_id_, spans in opened.items():
-            reader = self._readers[extent_id_]
+        for opened_id, spans in opened.items():
+            reader = self._readers.get(opened_id)  # None once a close elsewhere cleared them
+            if reader is None:
+                continue
             for start, end in _merged(spans):
                 reader.done_with(start, end - start)
 

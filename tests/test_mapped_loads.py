@@ -442,7 +442,7 @@ def test_a_durable_cache_maps_large_segments_from_the_second_load(
                             pass
                 assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
         # large segments: the first load read the device (staged), the second mapped the
-        # page cache; small segments (32 KiB) were read staged both times
+        # page cache; small segments (8 KiB) were read staged both times
         assert answers == [False, True, False, False]
     finally:
         kv.close()
