@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
@@ -456,6 +458,21 @@ def test_merged_joins_spans_that_touch_or_overlap() -> None:
     assert merged([]) == []
     assert merged([(10, 20), (0, 10), (30, 40), (15, 25)]) == [(0, 25), (30, 40)]
     assert merged([(5, 6)]) == [(5, 6)]
+
+
+# Chunks are back to back in an extent: on a coarse grid, spans often touch.
+_SPANS = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=12)
+
+
+@given(_SPANS)
+def test_merged_spans_cover_exactly_what_the_spans_cover(pieces: list[tuple[int, int]]) -> None:
+    spans = [(5 * start, 5 * (start + length)) for start, length in pieces]
+    merged = loader_module._merged(spans)
+    covered = {i for start, end in spans for i in range(start, end)}  # the model: a set
+    assert {i for start, end in merged for i in range(start, end)} == covered
+    # sorted, and apart: two spans that touched would have been one
+    assert all(end < start for (_, end), (start, _) in itertools.pairwise(merged))
+    assert all(start < end for start, end in merged)
 
 
 @pytest.mark.parametrize("batch", ["per chunk", "two chunks", "never"])
