@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from typing_extensions import Buffer
@@ -94,15 +94,23 @@ class _TieredWriter(ExtentWriter):
         with self._lock:
             return list(self._hot.items())
 
+    def _to_hot(
+        self, call: Callable[[ExtentWriter], object], *, coldest_first: bool = False
+    ) -> None:
+        """``call`` on every hot tier's writer, best effort: a tier whose call fails is dropped
+        from this extent."""
+        writers = self._hot_writers()
+        for tier, writer in reversed(writers) if coldest_first else writers:
+            try:
+                call(writer)
+            except StorageError as err:
+                self._drop_hot(tier, err)
+
     def reserve(self, size: int) -> None:
         # Every tier's: a local hot tier allocates the file's blocks and a place in its ring
         # of recent writes too (its loads then read memory, as the cold tier's would).
         self._cold.reserve(size)
-        for tier, writer in self._hot_writers():
-            try:
-                writer.reserve(size)
-            except StorageError as err:
-                self._drop_hot(tier, err)
+        self._to_hot(lambda writer: writer.reserve(size))
 
     def scratch(self, offset: int, size: int) -> memoryview:
         # The cold tier's memory: a local cold tier writes it with O_DIRECT without a copy.
@@ -110,19 +118,11 @@ class _TieredWriter(ExtentWriter):
 
     def write(self, data: Buffer) -> None:
         self._cold.write(data)
-        for tier, writer in self._hot_writers():
-            try:
-                writer.write(data)
-            except StorageError as err:
-                self._drop_hot(tier, err)
+        self._to_hot(lambda writer: writer.write(data))
 
     def write_at(self, offset: int, data: Buffer) -> None:
         self._cold.write_at(offset, data)
-        for tier, writer in self._hot_writers():
-            try:
-                writer.write_at(offset, data)
-            except StorageError as err:
-                self._drop_hot(tier, err)
+        self._to_hot(lambda writer: writer.write_at(offset, data))
 
     def commit(self, *, retain_for: float | None = None) -> str:
         try:
@@ -130,11 +130,7 @@ class _TieredWriter(ExtentWriter):
         except BaseException:
             self.abort()
             raise
-        for tier, writer in reversed(self._hot_writers()):
-            try:
-                writer.commit(retain_for=retain_for)
-            except StorageError as err:
-                self._drop_hot(tier, err)
+        self._to_hot(lambda writer: writer.commit(retain_for=retain_for), coldest_first=True)
         return extent_id
 
     def abort(self) -> None:
