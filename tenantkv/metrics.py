@@ -174,9 +174,15 @@ class _PrometheusMetrics(DataPlaneMetrics):
             "tenantkv_expired_extents", "Extents removed when their retention ran out."
         )
         self._expired_bytes = counter("tenantkv_expired_bytes", "Bytes of expired extents.")
-        self._tiers = _TierHits()
+        self._tiers = _SummedCounts(
+            "tenantkv_tier_hits", "Reads served by each tier of the block store.", "tier"
+        )
         registry.register(self._tiers)
-        self._recent_writes = _RecentWrites()
+        self._recent_writes = _SummedCounts(
+            "tenantkv_recent_writes_extents",
+            "Extents written with O_DIRECT that the ring of recent writes kept or left out.",
+            "outcome",
+        )
         registry.register(self._recent_writes)
         registry.register(_HealthAndSecurity(health, security_events))
 
@@ -231,50 +237,29 @@ class _Unlabelled:
         return self._metric
 
 
-class _TierHits:
-    """``tenantkv_tier_hits_total{tier}`` from the block stores' own counts, at scrape time."""
+class _SummedCounts:
+    """A counter family with one label, read from counts sources at scrape time: each label
+    value's counts summed over the sources (no series without one). Serves
+    ``tenantkv_tier_hits_total{tier}`` (the block stores' own counts) and
+    ``tenantkv_recent_writes_extents_total{outcome}`` (the rings')."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, documentation: str, label: str) -> None:
         self.sources: list[CountsSource] = []
+        self._name = name
+        self._documentation = documentation
+        self._label = label
 
     def describe(self) -> list[Any]:
-        return [CounterMetricFamily("tenantkv_tier_hits", "", labels=["tier"])]
+        return [CounterMetricFamily(self._name, "", labels=[self._label])]
 
     def collect(self) -> Iterator[Any]:
-        family = CounterMetricFamily(
-            "tenantkv_tier_hits", "Reads served by each tier of the block store.", labels=["tier"]
-        )
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
         totals: dict[str, int] = {}
         for source in self.sources:
-            for tier, hits in source().items():
-                totals[tier] = totals.get(tier, 0) + int(hits)
-        for tier, hits in sorted(totals.items()):
-            family.add_metric([tier], hits)
-        yield family
-
-
-class _RecentWrites:
-    """``tenantkv_recent_writes_extents_total{outcome}`` from the rings' own counts, at scrape
-    time; no series without a ring."""
-
-    _OUTCOMES = ("kept", "left_out")
-
-    def __init__(self) -> None:
-        self.sources: list[CountsSource] = []
-
-    def describe(self) -> list[Any]:
-        return [CounterMetricFamily("tenantkv_recent_writes_extents", "", labels=["outcome"])]
-
-    def collect(self) -> Iterator[Any]:
-        family = CounterMetricFamily(
-            "tenantkv_recent_writes_extents",
-            "Extents written with O_DIRECT that the ring of recent writes kept or left out.",
-            labels=["outcome"],
-        )
-        if self.sources:
-            counts = [source() for source in self.sources]
-            for outcome in self._OUTCOMES:
-                family.add_metric([outcome], sum(int(c.get(outcome, 0)) for c in counts))
+            for key, count in source().items():
+                totals[key] = totals.get(key, 0) + int(count)
+        for key, count in sorted(totals.items()):
+            family.add_metric([key], count)
         yield family
 
 
