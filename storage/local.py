@@ -626,22 +626,19 @@ class LocalBlockStore(BlockStore):
         for shard in self.extent_dir.iterdir():
             if shard.is_dir():
                 _private_dir(shard)
-        #: Whether loads map extents whatever their segments' size.
-        self.map_reads: bool
         #: The smallest segment loads open out of a mapping (0: any; None: none are mapped).
-        self.mapped_segment_bytes: int | None
-        if map_reads is None:
-            mappable = file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS
-            self.map_reads = mappable and not self.direct
-            large_only = MAPPED_SEGMENT_BYTES if mappable else None
-            self.mapped_segment_bytes = 0 if self.map_reads else large_only
-        else:
-            self.map_reads = map_reads
-            self.mapped_segment_bytes = 0 if map_reads else None
+        self.mapped_segment_bytes: int | None = 0 if map_reads else None
+        if map_reads is None and file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS:
+            self.mapped_segment_bytes = MAPPED_SEGMENT_BYTES if self.direct else 0
         if recent_bytes < 0:
             raise ValueError("recent_bytes must not be negative")
         #: The ring of recently written extents, or None.
         self.recent = RecentWrites(recent_bytes) if recent_bytes and self.direct else None
+
+    @property
+    def map_reads(self) -> bool:
+        """Whether loads map extents whatever their segments' size."""
+        return self.mapped_segment_bytes == 0
 
     def refuse_direct(self, reason: str) -> None:
         """Write buffered from now on: the file system under ``root`` refused O_DIRECT."""
