@@ -29,18 +29,20 @@ what limits loads on small machines, where decryption barely scales to a second 
 chunks from reader threads to separate decrypt workers was measured slower too; docs/perf.md).
 The caller is woken once per layer, and only when it waits for that one.
 
-When the caller is blocked on layer 0, the worker that completes it pauses until the caller is
-running again (at most ``FIRST_LAYER_HANDOVER_S``), and the other workers pause too, before
-their next group of ``HANDOVER_SEGMENTS`` segments. With one worker per core busy decrypting,
-a woken caller otherwise waits for a core and then for the GIL, which the workers release and
-take back around every segment, winning the race for it again and again -- on a 2-core
-machine a sizeable part of a layer's time, on the time to first layer (docs/perf.md has the
-figures).
+When the caller is blocked on layer 0, workers are held for it: from the moment layer 0's last
+chunk is taken, a worker opens no chunk of a later layer, and one already opening such a chunk
+pauses before its next group of ``HANDOVER_SEGMENTS`` segments, until the caller has layer 0
+and comes back for another layer (or closes the stream); at most ``FIRST_LAYER_HANDOVER_S``
+after the hold began, and again after layer 0 completed. With one worker per core busy, a woken
+caller otherwise waits for a core (Linux queues it behind a worker pinned there, or a worker
+it wakes takes its core back) and then for the GIL, which the workers release and take back
+around every segment, winning the race for it again and again -- on a 2-core machine a
+sizeable part of a layer's time, on the time to first layer (docs/perf.md has the figures).
 Later layers do not pause: there the caller's waits matter less than the load's throughput.
 
 Layer 0 is cut in twice as many chunks (the caller waits on it first; a task that is ahead takes
-over part of a delayed one's share), and a task that finds no chunk of it left goes on to layer 1
-(holding it back until layer 0 was done, which meant a task leaving and another starting, was
+over part of a delayed one's share), and a task that finds no chunk of it left takes one of
+layer 1 (held, as above, while the caller waits; a task leaving and another starting was
 measured later to the first layer). Layers stay within ``window`` layers of what the
 caller has consumed (``wait_for_layer(i)`` always loads up to ``i``). A task leaves when it may
 take nothing more, and whoever makes a chunk takeable again (the caller consuming a layer or
@@ -115,7 +117,9 @@ class _Cancelled(Exception):
 
 FailureHandler = Callable[[ExtentFailure], None]
 
-#: The longest a worker pauses after completing layer 0 for a caller blocked on it (seconds).
+#: The longest workers are held for a caller blocked on layer 0 (seconds): from the moment layer
+#: 0's last chunk is taken, and again from its completion. A caller that takes layer 0 and then
+#: computes (not back for layer 1 at once) leaves the workers idle for at most this long.
 FIRST_LAYER_HANDOVER_S = 0.002
 #: Segments a worker opens between looks at whether a caller woken for layer 0 waits for the
 #: GIL (16 segments of 64 DeepSeek-V3 tokens: ~1.2 MB, ~0.1 ms of decryption).
@@ -306,10 +310,12 @@ class LoadStream:
         self._outputs: list[LayerOutput | None] = [None] * self.num_layers
         self._events: list[Any] = [None] * self.num_layers
         self._waiting_for = -1  # the layer the caller is blocked on, if any
-        # Clear from layer 0's completion until the caller blocked on it runs again (a hand-over:
-        # workers pause, see _open_segments); set otherwise, from the start.
+        # Clear while a caller blocked on layer 0 is to be left a core (see _hold_workers): from
+        # the moment layer 0's last chunk is taken until the caller comes back for another layer,
+        # or _hold_deadline (time.monotonic()) passes; set otherwise, from the start.
         self._caller_running = threading.Event()
         self._caller_running.set()
+        self._hold_deadline = 0.0
         self._next_item = 0  # the next chunk to hand to a worker, in layer order
         self._demanded = -1  # the caller asked for this layer: load up to it whatever the window
         self._released = 0  # layers before this were handed over by iteration and let go
@@ -367,6 +373,8 @@ class LoadStream:
         item = self._next_item
         self._next_item = item + 1
         self._busy += 1
+        if self._next_item == len(self._first_work) and self._waiting_for == 0:
+            self._hold_workers()  # layer 0's last chunk: the caller blocked on it comes next
         if self._outputs[layer] is None:
             self._outputs[layer] = self._target.new_layer(layer)
         if layer == 0:
@@ -388,6 +396,22 @@ class LoadStream:
             self._stop()
             return False
         return True
+
+    def _hold_workers(self) -> None:
+        """Have workers pause before their next chunk or group of segments of a later layer,
+        for at most ``FIRST_LAYER_HANDOVER_S`` from now (under the lock; see the module
+        docstring)."""
+        self._caller_running.clear()
+        self._hold_deadline = time.monotonic() + FIRST_LAYER_HANDOVER_S
+
+    def _pause_for_caller(self) -> None:
+        """A worker's pause while workers are held (read without the lock: a stale read costs
+        one chunk or group more, or a look at the clock)."""
+        while not self._caller_running.is_set():
+            remaining = self._hold_deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._caller_running.wait(remaining)
 
     def _stop(self) -> None:
         self._stopped = True
@@ -416,18 +440,18 @@ class LoadStream:
                     return
             while True:
                 layer, work = taken
+                if layer:
+                    # Leave a core to a caller blocked on layer 0 (see the module docstring).
+                    self._pause_for_caller()
                 if slot is None and self._needs_slot:
                     slot = self._ring.acquire(self._cancel)
                 error = self._open_chunk(layer, work, slot)
                 with self._lock:
-                    hand_over, failure = self._finish_chunk(layer, error)
+                    failure = self._finish_chunk(layer, error)
                     if failure is None:
                         taken = self._take_next(slot)
                         if taken is None:
                             return
-                if hand_over:
-                    # Leave this core to the caller it just woke (see the module docstring).
-                    self._caller_running.wait(FIRST_LAYER_HANDOVER_S)
                 if failure is not None:
                     self._handle_failure(failure)
                     with self._lock:
@@ -443,23 +467,20 @@ class LoadStream:
                 self._leave(slot)
             raise
 
-    def _finish_chunk(
-        self, layer: int, error: BaseException | None
-    ) -> tuple[bool, ExtentFailure | None]:
+    def _finish_chunk(self, layer: int, error: BaseException | None) -> ExtentFailure | None:
         """Count a taken chunk finished, by a worker or the caller (under the lock).
 
-        Returns whether to leave the core to a caller just woken for layer 0, and the failure
-        to handle (outside the lock), if this chunk broke the stream.
+        Returns the failure to handle (outside the lock), if this chunk broke the stream.
         """
         self._busy -= 1
-        hand_over, failure = False, None
+        failure = None
         if error is None:
-            hand_over = self._chunk_done(layer)
+            self._chunk_done(layer)
         else:
             failure = self._record_error(error)
         if self._broken is not None:
             self._changed.notify_all()  # a waiter may wait for the last chunk
-        return hand_over, failure
+        return failure
 
     def _take_next(self, slot: Slot | None) -> tuple[int, _Work] | None:
         """The worker's next chunk; or ``None`` once it has left (under the lock).
@@ -505,26 +526,22 @@ class LoadStream:
         self._broken = error
         return error
 
-    def _chunk_done(self, layer: int) -> bool:
+    def _chunk_done(self, layer: int) -> None:
         """One chunk of ``layer`` is open; the layer is complete after its last (under the lock).
-
-        Returns whether the worker should leave its core to the caller it woke (layer 0 only).
-        """
+        A caller blocked on it is woken; for layer 0, workers are held for it anew."""
         remaining = self._remaining[layer] - 1
         self._remaining[layer] = remaining
         if remaining:
-            return False
+            return
         if self._stream is not None:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
             self._events[layer] = event
         if layer != self._waiting_for:
-            return False
+            return
         self._changed.notify_all()
-        if layer != 0:
-            return False
-        self._caller_running.clear()
-        return True
+        if layer == 0:
+            self._hold_workers()
 
     def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
         """Open one chunk into the layer's destination: straight out of the extent's mapping,
@@ -636,9 +653,8 @@ class LoadStream:
             return
         stride = len(sealed) // count
         for start in range(0, count, HANDOVER_SEGMENTS):
-            # Read without the lock: a stale read costs one more group.
-            if not self._caller_running.is_set():
-                self._caller_running.wait(FIRST_LAYER_HANDOVER_S)
+            if layer:
+                self._pause_for_caller()
             end = min(start + HANDOVER_SEGMENTS, count)
             cipher.open_many_into(
                 first + start,
@@ -683,6 +699,8 @@ class LoadStream:
                 raise InvalidRequestError(
                     f"layer {index} was already handed over by iteration and released"
                 )
+            if index and not self._caller_running.is_set():
+                self._caller_running.set()  # back for a later layer: workers held for it go on
             if index > self._demanded:
                 self._demanded = index
                 self._start_workers()
@@ -701,9 +719,10 @@ class LoadStream:
                     break
                 if self._help_with(index):
                     continue
+                if index == 0 and self._next_item >= len(self._first_work):
+                    self._hold_workers()  # layer 0's chunks are all taken: this caller is next
                 self._waiting_for = index
                 self._changed.wait()
-                self._caller_running.set()
                 self._waiting_for = -1
         if broken is None and self._keys_exist is not None and not self._keys_exist():
             raise self._revoke()
@@ -762,7 +781,7 @@ class LoadStream:
             error = self._open_chunk(layer, work, None)
         finally:
             self._lock.acquire()
-        _, failure = self._finish_chunk(layer, error)
+        failure = self._finish_chunk(layer, error)
         if failure is not None:
             self._lock.release()
             try:

@@ -281,6 +281,9 @@ class _RecordingCipher:
 
 
 class _RecordingEvent:
+    """``_caller_running``: ``running`` False while workers are held for a caller; a ``wait``
+    is the caller coming back for a later layer, which ends the hold."""
+
     def __init__(self, log: list[tuple[str, int, int]], running: bool) -> None:
         self.log = log
         self.running = running
@@ -289,25 +292,47 @@ class _RecordingEvent:
         return self.running
 
     def wait(self, timeout: float) -> bool:
-        assert timeout == loader_module.FIRST_LAYER_HANDOVER_S
+        assert 0 < timeout <= loader_module.FIRST_LAYER_HANDOVER_S
         self.log.append(("pause", 0, 0))
+        self.running = True
         return True
 
 
-@pytest.mark.parametrize("handing_over", [True, False])
-def test_workers_pause_between_groups_only_while_a_woken_caller_waits_to_run(
-    monkeypatch: pytest.MonkeyPatch, handing_over: bool
+class _HoldingCipher(_RecordingCipher):
+    """Opens like ``_RecordingCipher``; workers are held for a caller after its first group
+    (layer 0 completed for a blocked caller while this worker opened a chunk of layer 1)."""
+
+    def __init__(self, log: list[tuple[str, int, int]], event: _RecordingEvent) -> None:
+        super().__init__(log)
+        self.event = event
+
+    def open_many_into(
+        self, first: int, layer: int, keys: Any, sealed: memoryview, outs: list[Any]
+    ) -> None:
+        super().open_many_into(first, layer, keys, sealed, outs)
+        if len(self.log) == 1:
+            self.event.running = False
+
+
+@pytest.mark.parametrize("case", ["free", "held", "held after a group", "hold expired"])
+def test_workers_pause_between_groups_only_while_held_for_a_caller(
+    monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """While a caller woken for layer 0 has not run yet, a worker pauses before each group of
-    segments; otherwise it opens its chunk group after group without a pause."""
+    """While workers are held for a caller blocked on layer 0 (and the hold's bound has not
+    passed), a worker pauses before its next group of segments of a later layer until the
+    caller comes back; otherwise it opens its chunk group after group without a pause."""
     monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", 2)
     log: list[tuple[str, int, int]] = []
     stream = object.__new__(loader_module.LoadStream)  # only the fields _open_segments reads
-    stream._caller_running = _RecordingEvent(log, running=not handing_over)  # type: ignore[assignment]
+    event = _RecordingEvent(log, running=case in ("free", "held after a group"))
+    stream._caller_running = event  # type: ignore[assignment]
+    bound = loader_module.FIRST_LAYER_HANDOVER_S
+    stream._hold_deadline = time.monotonic() + (-1.0 if case == "hold expired" else bound)
+    cipher = _HoldingCipher(log, event) if case == "held after a group" else _RecordingCipher(log)
     # 5 segments of 10 sealed bytes, from slot 7 of layer 1: groups of 2, 2 and 1
     work = SimpleNamespace(chunk=SimpleNamespace(slot=7), keys=[b"k"] * 5)
     stream._open_segments(
-        _RecordingCipher(log),  # type: ignore[arg-type]
+        cipher,  # type: ignore[arg-type]
         1,
         work,  # type: ignore[arg-type]
         memoryview(bytes(50)),
@@ -315,10 +340,13 @@ def test_workers_pause_between_groups_only_while_a_woken_caller_waits_to_run(
     )
     opens = [("open", 7, 2), ("open", 9, 2), ("open", 11, 1)]
     pause = ("pause", 0, 0)
-    if handing_over:
-        assert log == [pause, opens[0], pause, opens[1], pause, opens[2]]
-    else:
-        assert log == opens
+    expected = {
+        "free": opens,
+        "held": [pause, *opens],
+        "held after a group": [opens[0], pause, *opens[1:]],
+        "hold expired": opens,
+    }
+    assert log == expected[case]
 
 
 @pytest.mark.usefixtures("index")

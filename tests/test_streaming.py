@@ -372,19 +372,18 @@ def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it(two_threads: Tenan
 def test_the_pause_after_layer_0_ends_when_the_caller_runs(
     kv: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The worker that completes layer 0 for a blocked caller leaves its core until the caller
-    runs. With the bound raised to a minute, loads still finish at once: the caller's wake, not
-    the bound, ends the pause. (And the pause was taken: a positive control.)"""
+    """Workers are held while a blocked caller takes layer 0, until it comes back for another
+    layer. With the bound raised to a minute, loads still finish at once: the caller, not the
+    bound, ends the pause. (And workers were held: a positive control.)"""
     monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
-    handed_over: list[bool] = []
-    chunk_done = loader_module.LoadStream._chunk_done
+    holds: list[int] = []
+    hold_workers = loader_module.LoadStream._hold_workers
 
-    def recording(stream: loader_module.LoadStream, layer: int) -> bool:
-        result = chunk_done(stream, layer)
-        handed_over.append(result)
-        return result
+    def recording(stream: loader_module.LoadStream) -> None:
+        holds.append(stream._next_item)
+        hold_workers(stream)
 
-    monkeypatch.setattr(loader_module.LoadStream, "_chunk_done", recording)
+    monkeypatch.setattr(loader_module.LoadStream, "_hold_workers", recording)
     # A caller that opens chunks of layer 0 itself often completes it; here it only waits, so
     # that a worker completes layer 0 for a blocked caller every time.
     monkeypatch.setattr(loader_module.LoadStream, "_help_with", lambda stream, index: False)
@@ -395,7 +394,54 @@ def test_the_pause_after_layer_0_ends_when_the_caller_runs(
             assert layers_equal(stream.wait_for_layer(0), layers[0])
             for index, layer in stream:
                 assert layers_equal(layer, layers[index])
-    assert any(handed_over)
+    assert holds
+    assert time.monotonic() - started < 30.0
+
+
+def test_workers_hold_later_layers_back_while_the_caller_waits_for_layer_0(
+    two_threads: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once layer 0's last chunk is taken and the caller is blocked on it, a worker with
+    nothing left of layer 0 opens no chunk of layer 1 until the caller has layer 0 and comes
+    back: a third busy thread would take the core the caller wakes to (docs/perf.md). With the
+    bound raised to a minute, the caller, not the bound, ends the hold."""
+    monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
+    monkeypatch.setattr(loader_module.LoadStream, "_help_with", lambda stream, index: False)
+    opened: list[tuple[int, float]] = []
+    open_chunk = loader_module.LoadStream._open_chunk
+
+    def slow_layer_0(
+        stream: loader_module.LoadStream, layer: int, work: Any, slot: Any
+    ) -> BaseException | None:
+        opened.append((layer, time.monotonic()))
+        if layer == 0:
+            # Layer 0's last chunk (of 4, on 2 workers) finishes long after the others, so the
+            # other worker is done with layer 0 while the caller still waits for it.
+            time.sleep(0.4 if work is stream._first_work[-1] else 0.05)
+        return open_chunk(stream, layer, work, slot)
+
+    monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", slow_layer_0)
+    paused: list[bool] = []
+    pause_for_caller = loader_module.LoadStream._pause_for_caller
+
+    def recording(stream: loader_module.LoadStream) -> None:
+        paused.append(not stream._caller_running.is_set())
+        pause_for_caller(stream)
+
+    monkeypatch.setattr(loader_module.LoadStream, "_pause_for_caller", recording)
+    ((ns, tokens, layers), _) = _two_prefixes(two_threads)
+    started = time.monotonic()
+    with ns.load(tokens) as stream:
+        assert len(stream._first_work) == 4
+        per_layer = len(stream._work)
+        assert layers_equal(stream.wait_for_layer(0), layers[0])
+        handed = time.monotonic()
+        for index, layer in stream:
+            assert layers_equal(layer, layers[index])
+    assert any(paused)  # a worker found itself held before a chunk of layer 1
+    later = [at for layer, at in opened if layer > 0]
+    assert len(later) == (len(layers) - 1) * per_layer  # every later layer's chunks
+    assert min(later) > handed
     assert time.monotonic() - started < 30.0
 
 
