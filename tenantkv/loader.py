@@ -32,8 +32,8 @@ The caller is woken once per layer, and only when it waits for that one.
 When the caller is blocked on layer 0, workers are held for it: from the moment layer 0's last
 chunk is taken, a worker opens no chunk of a later layer, and one already opening such a chunk
 pauses before its next group of ``HANDOVER_SEGMENTS`` segments, until the caller has layer 0
-and comes back for another layer (or closes the stream); at most ``FIRST_LAYER_HANDOVER_S``
-after the hold began, and again after layer 0 completed. With one worker per core busy, a woken
+and comes back for another layer (or closes the stream); at most ``FIRST_LAYER_TAIL_S`` until
+layer 0 completes, and ``FIRST_LAYER_HANDOVER_S`` after. With one worker per core busy, a woken
 caller otherwise waits for a core (Linux queues it behind a worker pinned there, or a worker
 it wakes takes its core back) and then for the GIL, which the workers release and take back
 around every segment, winning the race for it again and again -- on a 2-core machine a
@@ -117,10 +117,15 @@ class _Cancelled(Exception):
 
 FailureHandler = Callable[[ExtentFailure], None]
 
-#: The longest workers are held for a caller blocked on layer 0 (seconds): from the moment layer
-#: 0's last chunk is taken, and again from its completion. A caller that takes layer 0 and then
-#: computes (not back for layer 1 at once) leaves the workers idle for at most this long.
-FIRST_LAYER_HANDOVER_S = 0.002
+#: The longest workers are held for a caller blocked on layer 0 from the moment its last chunk
+#: is taken (seconds): that chunk's read and decryption, ~1 ms at 8K DeepSeek-V3 tokens.
+FIRST_LAYER_TAIL_S = 0.002
+#: The longest workers are held after layer 0 completed for a caller blocked on it (seconds),
+#: unless it comes back for another layer sooner: time for it to wake and take the layer
+#: (~0.1 ms measured). A caller that goes on to work of its own (an engine copying the layer
+#: into its pages) has the workers back after this; held for 2 ms, vLLM's hits took ~2 ms
+#: longer (docs/perf.md).
+FIRST_LAYER_HANDOVER_S = 0.0005
 #: Segments a worker opens between looks at whether a caller woken for layer 0 waits for the
 #: GIL (16 segments of 64 DeepSeek-V3 tokens: ~1.2 MB, ~0.1 ms of decryption).
 HANDOVER_SEGMENTS = 16
@@ -374,7 +379,7 @@ class LoadStream:
         self._next_item = item + 1
         self._busy += 1
         if self._next_item == len(self._first_work) and self._waiting_for == 0:
-            self._hold_workers()  # layer 0's last chunk: the caller blocked on it comes next
+            self._hold_workers(FIRST_LAYER_TAIL_S)  # layer 0's last chunk: the caller is next
         if self._outputs[layer] is None:
             self._outputs[layer] = self._target.new_layer(layer)
         if layer == 0:
@@ -397,12 +402,11 @@ class LoadStream:
             return False
         return True
 
-    def _hold_workers(self) -> None:
+    def _hold_workers(self, bound: float) -> None:
         """Have workers pause before their next chunk or group of segments of a later layer,
-        for at most ``FIRST_LAYER_HANDOVER_S`` from now (under the lock; see the module
-        docstring)."""
+        for at most ``bound`` seconds from now (under the lock; see the module docstring)."""
         self._caller_running.clear()
-        self._hold_deadline = time.monotonic() + FIRST_LAYER_HANDOVER_S
+        self._hold_deadline = time.monotonic() + bound
 
     def _pause_for_caller(self) -> None:
         """A worker's pause while workers are held (read without the lock: a stale read costs
@@ -541,7 +545,7 @@ class LoadStream:
             return
         self._changed.notify_all()
         if layer == 0:
-            self._hold_workers()
+            self._hold_workers(FIRST_LAYER_HANDOVER_S)
 
     def _open_chunk(self, layer: int, work: _Work, slot: Slot | None) -> BaseException | None:
         """Open one chunk into the layer's destination: straight out of the extent's mapping,
@@ -720,7 +724,8 @@ class LoadStream:
                 if self._help_with(index):
                     continue
                 if index == 0 and self._next_item >= len(self._first_work):
-                    self._hold_workers()  # layer 0's chunks are all taken: this caller is next
+                    # Layer 0's chunks are all taken: this caller is next.
+                    self._hold_workers(FIRST_LAYER_TAIL_S)
                 self._waiting_for = index
                 self._changed.wait()
                 self._waiting_for = -1

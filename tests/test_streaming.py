@@ -376,12 +376,12 @@ def test_the_pause_after_layer_0_ends_when_the_caller_runs(
     layer. With the bound raised to a minute, loads still finish at once: the caller, not the
     bound, ends the pause. (And workers were held: a positive control.)"""
     monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
-    holds: list[int] = []
+    holds: list[float] = []
     hold_workers = loader_module.LoadStream._hold_workers
 
-    def recording(stream: loader_module.LoadStream) -> None:
-        holds.append(stream._next_item)
-        hold_workers(stream)
+    def recording(stream: loader_module.LoadStream, bound: float) -> None:
+        holds.append(bound)
+        hold_workers(stream, bound)
 
     monkeypatch.setattr(loader_module.LoadStream, "_hold_workers", recording)
     # A caller that opens chunks of layer 0 itself often completes it; here it only waits, so
@@ -394,7 +394,7 @@ def test_the_pause_after_layer_0_ends_when_the_caller_runs(
             assert layers_equal(stream.wait_for_layer(0), layers[0])
             for index, layer in stream:
                 assert layers_equal(layer, layers[index])
-    assert holds
+    assert 60.0 in holds  # held after layer 0 completed, with the bound of a minute
     assert time.monotonic() - started < 30.0
 
 
@@ -404,7 +404,8 @@ def test_workers_hold_later_layers_back_while_the_caller_waits_for_layer_0(
     """Once layer 0's last chunk is taken and the caller is blocked on it, a worker with
     nothing left of layer 0 opens no chunk of layer 1 until the caller has layer 0 and comes
     back: a third busy thread would take the core the caller wakes to (docs/perf.md). With the
-    bound raised to a minute, the caller, not the bound, ends the hold."""
+    bounds raised to a minute, the caller, not a bound, ends the hold."""
+    monkeypatch.setattr(loader_module, "FIRST_LAYER_TAIL_S", 60.0)
     monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
     monkeypatch.setattr(loader_module.LoadStream, "_help_with", lambda stream, index: False)
     opened: list[tuple[int, float]] = []
