@@ -33,7 +33,8 @@ When the caller is blocked on layer 0, workers are held for it: from the moment 
 chunk is taken, a worker opens no chunk of a later layer, and one already opening such a chunk
 pauses before its next group of ``HANDOVER_SEGMENTS`` segments, until the caller has layer 0
 and comes back for another layer (or closes the stream); at most ``FIRST_LAYER_TAIL_S`` until
-layer 0 completes, and ``FIRST_LAYER_HANDOVER_S`` after. With one worker per core busy, a woken
+layer 0 completes, and ``FIRST_LAYER_HANDOVER_S`` after, and not while another load's task waits
+for a loader thread (a held worker keeps its thread). With one worker per core busy, a woken
 caller otherwise waits for a core (Linux queues it behind a worker pinned there, or a worker
 it wakes takes its core back) and then for the GIL, which the workers release and take back
 around every segment, winning the race for it again and again -- on a 2-core machine a
@@ -410,10 +411,11 @@ class LoadStream:
 
     def _pause_for_caller(self) -> None:
         """A worker's pause while workers are held (read without the lock: a stale read costs
-        one chunk or group more, or a look at the clock)."""
+        one chunk or group more, or a look at the clock). Not while other tasks (another load's)
+        wait for a loader thread: a held worker would keep its thread from them."""
         while not self._caller_running.is_set():
             remaining = self._hold_deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self._backlog():
                 return
             self._caller_running.wait(remaining)
 

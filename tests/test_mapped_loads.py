@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from queue import SimpleQueue
 from types import SimpleNamespace
 from typing import Any
 
@@ -328,6 +329,7 @@ def test_workers_pause_between_groups_only_while_held_for_a_caller(
     stream._caller_running = event  # type: ignore[assignment]
     bound = loader_module.FIRST_LAYER_HANDOVER_S
     stream._hold_deadline = time.monotonic() + (-1.0 if case == "hold expired" else bound)
+    stream._pool = SimpleNamespace()  # type: ignore[assignment]  # no task waits for a thread
     cipher = _HoldingCipher(log, event) if case == "held after a group" else _RecordingCipher(log)
     # 5 segments of 10 sealed bytes, from slot 7 of layer 1: groups of 2, 2 and 1
     work = SimpleNamespace(chunk=SimpleNamespace(slot=7), keys=[b"k"] * 5)
@@ -347,6 +349,24 @@ def test_workers_pause_between_groups_only_while_held_for_a_caller(
         "hold expired": opens,
     }
     assert log == expected[case]
+
+
+@pytest.mark.parametrize("backlog", [False, True])
+def test_a_held_worker_does_not_pause_while_other_tasks_wait_for_its_thread(
+    backlog: bool,
+) -> None:
+    """Held for a caller, a worker pauses (until the caller is back); but not while another
+    load's task waits for a loader thread, which the paused worker would keep from it."""
+    log: list[tuple[str, int, int]] = []
+    stream = object.__new__(loader_module.LoadStream)  # only the fields _pause_for_caller reads
+    stream._caller_running = _RecordingEvent(log, running=False)  # type: ignore[assignment]
+    stream._hold_deadline = time.monotonic() + loader_module.FIRST_LAYER_HANDOVER_S
+    queue: SimpleQueue[object] = SimpleQueue()
+    if backlog:
+        queue.put(object())
+    stream._pool = SimpleNamespace(_work_queue=queue)  # type: ignore[assignment]
+    stream._pause_for_caller()
+    assert log == ([] if backlog else [("pause", 0, 0)])
 
 
 @pytest.mark.usefixtures("index")
