@@ -319,8 +319,8 @@ class LoadStream:
         # Clear while a caller blocked on layer 0 is to be left a core (see _hold_workers): from
         # the moment layer 0's last chunk is taken until the caller comes back for another layer,
         # or _hold_deadline (time.monotonic()) passes; set otherwise, from the start.
-        self._caller_running = threading.Event()
-        self._caller_running.set()
+        self._workers_free = threading.Event()
+        self._workers_free.set()
         self._hold_deadline = 0.0
         self._next_item = 0  # the next chunk to hand to a worker, in layer order
         self._demanded = -1  # the caller asked for this layer: load up to it whatever the window
@@ -406,23 +406,23 @@ class LoadStream:
     def _hold_workers(self, bound: float) -> None:
         """Have workers pause before their next chunk or group of segments of a later layer,
         for at most ``bound`` seconds from now (under the lock; see the module docstring)."""
-        self._caller_running.clear()
+        self._workers_free.clear()
         self._hold_deadline = time.monotonic() + bound
 
     def _pause_for_caller(self) -> None:
         """A worker's pause while workers are held (read without the lock: a stale read costs
         one chunk or group more, or a look at the clock). Not while other tasks (another load's)
         wait for a loader thread: a held worker would keep its thread from them."""
-        while not self._caller_running.is_set():
+        while not self._workers_free.is_set():
             remaining = self._hold_deadline - time.monotonic()
             if remaining <= 0 or self._backlog():
                 return
-            self._caller_running.wait(remaining)
+            self._workers_free.wait(remaining)
 
     def _stop(self) -> None:
         self._stopped = True
         self._cancel.set()
-        self._caller_running.set()
+        self._workers_free.set()
         self._changed.notify_all()
 
     def _backlog(self) -> bool:
@@ -705,8 +705,8 @@ class LoadStream:
                 raise InvalidRequestError(
                     f"layer {index} was already handed over by iteration and released"
                 )
-            if index and not self._caller_running.is_set():
-                self._caller_running.set()  # back for a later layer: workers held for it go on
+            if index and not self._workers_free.is_set():
+                self._workers_free.set()  # back for a later layer: workers held for it go on
             if index > self._demanded:
                 self._demanded = index
                 self._start_workers()

@@ -282,7 +282,7 @@ class _RecordingCipher:
 
 
 class _RecordingEvent:
-    """``_caller_running``: ``running`` False while workers are held for a caller; a ``wait``
+    """``_workers_free``: ``running`` False while workers are held for a caller; a ``wait``
     is the caller coming back for a later layer, which ends the hold."""
 
     def __init__(self, log: list[tuple[str, int, int]], running: bool) -> None:
@@ -326,7 +326,7 @@ def test_workers_pause_between_groups_only_while_held_for_a_caller(
     log: list[tuple[str, int, int]] = []
     stream = object.__new__(loader_module.LoadStream)  # only the fields _open_segments reads
     event = _RecordingEvent(log, running=case in ("free", "held after a group"))
-    stream._caller_running = event  # type: ignore[assignment]
+    stream._workers_free = event  # type: ignore[assignment]
     bound = loader_module.FIRST_LAYER_HANDOVER_S
     stream._hold_deadline = time.monotonic() + (-1.0 if case == "hold expired" else bound)
     stream._pool = SimpleNamespace()  # type: ignore[assignment]  # no task waits for a thread
@@ -359,7 +359,7 @@ def test_a_held_worker_does_not_pause_while_other_tasks_wait_for_its_thread(
     load's task waits for a loader thread, which the paused worker would keep from it."""
     log: list[tuple[str, int, int]] = []
     stream = object.__new__(loader_module.LoadStream)  # only the fields _pause_for_caller reads
-    stream._caller_running = _RecordingEvent(log, running=False)  # type: ignore[assignment]
+    stream._workers_free = _RecordingEvent(log, running=False)  # type: ignore[assignment]
     stream._hold_deadline = time.monotonic() + loader_module.FIRST_LAYER_HANDOVER_S
     queue: SimpleQueue[object] = SimpleQueue()
     if backlog:

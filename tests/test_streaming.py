@@ -426,7 +426,7 @@ def test_workers_hold_later_layers_back_while_the_caller_waits_for_layer_0(
     pause_for_caller = loader_module.LoadStream._pause_for_caller
 
     def recording(stream: loader_module.LoadStream) -> None:
-        paused.append(not stream._caller_running.is_set())
+        paused.append(not stream._workers_free.is_set())
         pause_for_caller(stream)
 
     monkeypatch.setattr(loader_module.LoadStream, "_pause_for_caller", recording)
