@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Loads back to back (issue 16): the time to first layer when the previous load's bookkeeping
 is still to run, with that bookkeeping held until the first layer (the default) against run
-at once on the load pool (the baseline: the path before ``tenantkv.first_layers``).
+at once on the load pool (the baseline: the path before ``tenantkv.datapath.first_layers``).
 
 A server loads one prefix after another; each load's record of use (an index write) goes to
 the background when it closes, and the next load starts at once. For each size a DeepSeek-V3

@@ -143,11 +143,11 @@ def import_tenantkv() -> ModuleType:
 def ring_bytes(tenantkv: ModuleType) -> tuple[int, str]:
     """The staging ring size the RSS bound uses, and where it came from."""
     try:
-        staging = importlib.import_module("tenantkv.staging")
+        staging = importlib.import_module("tenantkv.datapath.staging")
         value = int(staging.DEFAULT_RING_BYTES)
-        return value, "tenantkv.staging.DEFAULT_RING_BYTES"
+        return value, "tenantkv.datapath.staging.DEFAULT_RING_BYTES"
     except Exception:
-        return DEFAULT_RING_BYTES, "assumed default (tenantkv.staging not found)"
+        return DEFAULT_RING_BYTES, "assumed default (tenantkv.datapath.staging not found)"
 
 
 def prefix_tokens(seed: int, tokens: int) -> list[int]:

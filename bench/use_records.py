@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Records of use under many small loads (issue 16): written in batches (the default) against
-one write transaction per load (the baseline: the path before ``tenantkv.use_records``).
+one write transaction per load (the baseline: the path before ``tenantkv.components.use_records``).
 
 Every load's use is an index write after the load closes, on the cache's one bookkeeping
 thread. Small loads (a 64-token, one-layer DeepSeek-V3 shaped MLA prefix: 72 KiB) from
@@ -35,7 +35,7 @@ from _common import finish_ab, format_stats_table, machine_info, median_bars, pr
 from fleet import DEFAULT_POSTGRES, PostgresSchema
 
 import tenantkv
-from tenantkv.use_records import UseRecords
+from tenantkv.components.use_records import UseRecords
 
 HERE = Path(__file__).resolve().parent
 TOKENS = 64  # one block

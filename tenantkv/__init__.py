@@ -13,7 +13,9 @@
 """
 
 from .api import TenantKV, open
+from .components.metering import UsageReport
 from .config import CacheConfig
+from .datapath.loader import LoadStream
 from .errors import (
     CacheClosedError,
     CacheMissError,
@@ -30,8 +32,6 @@ from .errors import (
     TenantNotFoundError,
 )
 from .layout import KVLayout, Layer
-from .loader import LoadStream
-from .metering import UsageReport
 from .prefix import BLOCK_TOKENS
 from .services.gc import GcReport
 from .services.namespace import Namespace

@@ -1,9 +1,9 @@
 """The public face of a cache: :func:`open` and the thin :class:`TenantKV` facade.
 
-``open`` builds the components once (``tenantkv.context``) and the facade hands each call to the
-service that does it (``tenantkv.services``). The facade holds no logic of its own beyond the
-order of closing; its plumbing is private, except :attr:`TenantKV.context` for edges that embed
-the cache (the admin service, the CLI) and for tests.
+``open`` builds the components once (``tenantkv.components.context``) and the facade hands
+each call to the service that does it (``tenantkv.services``). The facade holds no logic of its
+own beyond the order of closing; its plumbing is private, except :attr:`TenantKV.context` for
+edges that embed the cache (the admin service, the CLI) and for tests.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any, Self
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from .audit import Attribution
+from .components.context import CacheContext, build_context
+from .components.coordination import CoordinationThread
+from .components.metering import UsageReport
 from .config import CacheConfig, open_blocks, open_key_wrapper
-from .context import CacheContext, build_context
-from .coordination import CoordinationThread
 from .crypto import KeyWrapper
+from .datapath.staging import RingStats
 from .errors import CacheUnavailableError, InvalidRequestError
 from .index import stats
 from .index.database import Database
 from .layout import KVLayout
-from .metering import UsageReport
 from .private_files import private_dir
 from .security_events import SecurityEvent
 from .services import capacity, purge, reseal, tenants
@@ -39,7 +40,6 @@ from .services.namespace import Namespace, open_namespace
 from .services.purge import PurgeReport
 from .services.setup import prepare_index
 from .services.tenants import TenantInfo
-from .staging import RingStats
 from .storage import BlockStore, StorageError
 
 if TYPE_CHECKING:

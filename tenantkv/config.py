@@ -99,7 +99,7 @@ class CacheConfig:
     load_workers: int | None = None
     #: Pin each loader and sealing thread to a CPU of its own, round robin over the CPUs the
     #: process may use, in pools with no more threads than those CPUs
-    #: (``tenantkv.cpu_pinning``): unpinned, a load's or a store's workers often
+    #: (``tenantkv.datapath.cpu_pinning``): unpinned, a load's or a store's workers often
     #: queued behind each other on one CPU for milliseconds while another idled. Turn off where
     #: busy threads of the embedding process are pinned to the same CPUs.
     pin_workers: bool = True
@@ -114,8 +114,8 @@ class CacheConfig:
     #: Host memory kept for recycling fresh CPU layers once callers drop them.
     layer_pool_bytes: int = 256 * MiB
     #: Block keys this node's lookups keep, over all namespaces, so that a lookup asks the index
-    #: one statement instead of thousands of keys (``tenantkv.lookup_cache``; about 100 bytes
-    #: each, so the default bounds it near 25 MiB). 0 turns it off.
+    #: one statement instead of thousands of keys (``tenantkv.components.lookup_cache``; about
+    #: 100 bytes each, so the default bounds it near 25 MiB). 0 turns it off.
     lookup_cache_keys: int = 262_144
     #: Quota of a tenant created without one.
     default_quota_bytes: int = 2**30

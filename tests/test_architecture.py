@@ -46,15 +46,15 @@ def test_import_contracts_hold_and_a_hidden_upward_import_breaks_them(tmp_path: 
     _assemble(kept)
     result = _lint(kept)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "4 kept, 0 broken" in result.stdout
 
     broken = tmp_path / "broken"
     service = _assemble(broken) / "services" / "gc.py"
     source = service.read_text()
     service.write_text(
         source.replace(
-            "from ..context import CacheContext\n",
-            "from ..context import CacheContext\n\nif TYPE_CHECKING:\n"
+            "from ..components.context import CacheContext\n",
+            "from ..components.context import CacheContext\n\nif TYPE_CHECKING:\n"
             "    from ..api import TenantKV  # noqa: F401\n",
             1,
         ).replace(

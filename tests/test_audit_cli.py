@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 import tenantkv
-from tenantkv import cli_audit
 from tenantkv.audit import (
     AUDIT_EXPORT,
     KEYS_ROTATE,
     TENANT_CREATE,
     AuditEvent,
 )
+from tenantkv.cli import audit as cli_audit
 from tenantkv.crypto import MASTER_KEY_ENV
 from tests.indexes import Index
 

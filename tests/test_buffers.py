@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from tenantkv.buffers import RECENT_LOADS_S, RecyclingPool
+from tenantkv.datapath.buffers import RECENT_LOADS_S, RecyclingPool
 from tests.helpers import ManualClock
 
 

@@ -1,4 +1,4 @@
-"""Worker threads pinned one per CPU (``tenantkv.cpu_pinning``).
+"""Worker threads pinned one per CPU (``tenantkv.datapath.cpu_pinning``).
 
 Checked: each thread a pool starts is pinned to the next CPU of the process's affinity mask,
 round robin; a cache's loader and sealing threads are so pinned after a store and a load (and
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tenantkv
-from tenantkv.cpu_pinning import CpuPinning, allowed_cpus, pinning_for_pool
+from tenantkv.datapath.cpu_pinning import CpuPinning, allowed_cpus, pinning_for_pool
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 
 pytestmark = pytest.mark.skipif(

@@ -12,8 +12,8 @@ import pytest
 
 import tenantkv
 from tenantkv import TenantKV
+from tenantkv.components.keyring import Keyring
 from tenantkv.errors import CacheMissError
-from tenantkv.keyring import Keyring
 
 from .helpers import MLA_SMALL, random_layers, random_tokens
 
@@ -79,7 +79,7 @@ def test_clear_drops_every_extent_cipher(kv: TenantKV) -> None:
 
 
 def test_the_kept_ciphers_are_bounded(kv: TenantKV, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tenantkv.keyring, "EXTENT_CIPHERS_KEPT", 2)
+    monkeypatch.setattr(tenantkv.components.keyring, "EXTENT_CIPHERS_KEPT", 2)
     ids = [_store_and_load(kv, f"t{i}", seed=i)[0] for i in range(3)]
     keys = _keyring(kv)
     assert [keys.cached_extent_ciphers(t) for t in ids] == [0, 1, 1]  # least recent dropped

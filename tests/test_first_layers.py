@@ -1,4 +1,5 @@
-"""Bookkeeping keeps out of the way of loads before their first layer (tenantkv.first_layers).
+"""Bookkeeping keeps out of the way of loads before their first layer
+(tenantkv.datapath.first_layers).
 
 A load's record of use (an index write) runs in the background once no load of the cache is
 before its first layer, and at most ``BOOKKEEPING_HOLD_S`` after it was handed over. Every
@@ -14,9 +15,9 @@ import time
 
 import pytest
 
-import tenantkv.runtime
+import tenantkv.datapath.runtime
 from tenantkv import CacheMissError, InvalidRequestError, TenantKV
-from tenantkv.first_layers import FirstLayerGate
+from tenantkv.datapath.first_layers import FirstLayerGate
 from tests.helpers import (
     MLA_SMALL,
     last_used,
@@ -124,12 +125,14 @@ def test_loads_that_end_without_a_first_layer_let_go_of_the_gate(kv: TenantKV) -
 def test_record_of_use_waits_for_a_load_before_its_first_layer(
     kv: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tenantkv.runtime, "BOOKKEEPING_HOLD_S", 60.0)  # no bound in this test
+    monkeypatch.setattr(
+        tenantkv.datapath.runtime, "BOOKKEEPING_HOLD_S", 60.0
+    )  # no bound in this test
     ns, tokens, ids = _two_prefixes(kv)
     stored = last_used(kv)
     load_all(ns, tokens[0])  # its record of use goes to the background
     with ns.load(tokens[1]) as waiting:  # before its first layer, from now on
-        time.sleep(10 * tenantkv.runtime.BOOKKEEPING_DELAY_S)
+        time.sleep(10 * tenantkv.datapath.runtime.BOOKKEEPING_DELAY_S)
         assert last_used(kv)[ids[0]] == stored[ids[0]], "bookkeeping ran before a first layer"
         waiting.wait_for_layer(0)
         # Control: the record lands once that load has its first layer (well within the bound).
@@ -140,7 +143,7 @@ def test_record_of_use_waits_for_a_load_before_its_first_layer(
 def test_record_of_use_waits_at_most_the_bound(
     kv: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tenantkv.runtime, "BOOKKEEPING_HOLD_S", 0.3)
+    monkeypatch.setattr(tenantkv.datapath.runtime, "BOOKKEEPING_HOLD_S", 0.3)
     ns, tokens, ids = _two_prefixes(kv)
     stored = last_used(kv)
     load_all(ns, tokens[0])
@@ -152,11 +155,13 @@ def test_record_of_use_waits_at_most_the_bound(
 def test_closing_does_not_wait_for_held_bookkeeping(
     kv: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tenantkv.runtime, "BOOKKEEPING_HOLD_S", 60.0)
+    monkeypatch.setattr(tenantkv.datapath.runtime, "BOOKKEEPING_HOLD_S", 60.0)
     ns, tokens, _ids = _two_prefixes(kv)
     load_all(ns, tokens[0])
     left_open = ns.load(tokens[1])  # never read: it holds the gate until the cache closes it
-    time.sleep(2 * tenantkv.runtime.BOOKKEEPING_DELAY_S)  # the record now waits on the gate
+    time.sleep(
+        2 * tenantkv.datapath.runtime.BOOKKEEPING_DELAY_S
+    )  # the record now waits on the gate
     start = time.monotonic()
     kv.close()
     assert time.monotonic() - start < 10  # far under the 60 s bound

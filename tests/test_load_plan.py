@@ -19,10 +19,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 import tenantkv
 from tenantkv import CacheMissError, KVLayout, TenantKV
+from tenantkv.datapath.loader import split_chunks
 from tenantkv.index import plan as plan_module
 from tenantkv.index.plan import ExtentRow, _rendered, locate_blocks
 from tenantkv.index.schema import Block, DataKey, Extent
-from tenantkv.loader import split_chunks
 from tests.helpers import (
     ManualClock,
     layers_equal,

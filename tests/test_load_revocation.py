@@ -15,8 +15,8 @@ import torch
 
 import tenantkv
 from tenantkv import LoadError, LoadRevokedError, Namespace, TenantKV
+from tenantkv.components.key_guard import KeyGuard
 from tenantkv.index import tenants as tenant_rows
-from tenantkv.key_guard import KeyGuard
 from tests.indexes import Index
 
 from .helpers import MLA_SMALL, random_layers, random_tokens

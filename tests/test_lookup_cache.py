@@ -1,4 +1,5 @@
-"""Lookups answered from the keys a node holds (``tenantkv.lookup_cache``) agree with the index.
+"""Lookups answered from the keys a node holds (``tenantkv.components.lookup_cache``) agree with
+the index.
 
 Every lookup here is checked against the index itself (``index_answer``: the keys present with
 an unexpired extent, asked of the index the way every lookup used to), after stores, evictions,
@@ -35,9 +36,9 @@ from sqlalchemy import event
 
 import tenantkv
 from tenantkv import CacheMissError, Namespace, TenantKV, prefix
+from tenantkv.components.lookup_cache import HeldKeys, LookupCache
 from tenantkv.crypto import KeyEncryptionKey
 from tenantkv.index import blocks, counters, removals
-from tenantkv.lookup_cache import HeldKeys, LookupCache
 from tenantkv.prefix import model_fingerprint
 from tests.helpers import (
     MLA_SMALL,

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
-from tenantkv import loader as loader_module
-from tenantkv.extent_format import HEADER_BYTES
+from tenantkv.datapath import loader as loader_module
+from tenantkv.datapath.extent_format import HEADER_BYTES
 from tenantkv.storage import LocalBlockStore
 from tenantkv.storage import local as local_module
 from tenantkv.storage.local import MAPPED_SEGMENT_BYTES, file_system_type

@@ -1,4 +1,4 @@
-"""Data-plane metrics (tenantkv/metrics.py): the counters move as the cache works.
+"""Data-plane metrics (tenantkv/components/metrics.py): the counters move as the cache works.
 
 A real sequence on one cache (lookups that miss and hit, stores, a load, an eviction, a lost
 extent, a tampered one), each figure compared with what the operation did; the tenant label only
@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import tenantkv
 from tenantkv import TenantKV
-from tenantkv.extent_format import ExtentGeometry
-from tenantkv.health import SCRUB_PENDING
+from tenantkv.components.health import SCRUB_PENDING
+from tenantkv.datapath.extent_format import ExtentGeometry
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 from tests.indexes import Index
 

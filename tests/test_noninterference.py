@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import tenantkv
 from tenantkv import BLOCK_TOKENS, Namespace, TenantKV
-from tenantkv.metering import FIELDS
+from tenantkv.components.metering import FIELDS
 from tests.indexes import Index
 
 from .helpers import ManualClock, load_all, random_layers, random_tokens

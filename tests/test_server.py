@@ -26,7 +26,7 @@ import tenantkv
 from tenantkv import SchemaVersionError, TenantKV
 from tenantkv.audit import chain_for, verify_export
 from tenantkv.cli import main
-from tenantkv.health import INCOMPLETE_SCRUBS, SCRUB_PENDING
+from tenantkv.components.health import INCOMPLETE_SCRUBS, SCRUB_PENDING
 from tenantkv.index import tenants as tenant_rows
 from tenantkv.server.app import create_app
 from tenantkv.server.auth import (

@@ -14,7 +14,7 @@ import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
-from tenantkv import loader as loader_module
+from tenantkv.datapath import loader as loader_module
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 from tests.indexes import Index
 

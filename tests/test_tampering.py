@@ -29,7 +29,7 @@ import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV, crypto
-from tenantkv.extent_format import HEADER_BYTES, ExtentGeometry
+from tenantkv.datapath.extent_format import HEADER_BYTES, ExtentGeometry
 
 from .helpers import MHA_SMALL, MLA_SMALL, prefix_of, random_layers, random_tokens
 

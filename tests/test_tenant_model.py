@@ -44,7 +44,7 @@ from hypothesis.stateful import (
 
 import tenantkv
 from tenantkv import BLOCK_TOKENS, Layer, Namespace, TenantKV
-from tenantkv.metering import FIELDS
+from tenantkv.components.metering import FIELDS
 from tests.indexes import Index
 
 from .helpers import MLA_SMALL, ManualClock, load_all, random_layers, random_tokens

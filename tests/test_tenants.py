@@ -32,6 +32,7 @@ from tenantkv import (
     TenantKV,
     TenantNotFoundError,
 )
+from tenantkv.components.keyring import data_key_context
 from tenantkv.crypto import (
     CipherSuite,
     ExtentCipher,
@@ -39,10 +40,9 @@ from tenantkv.crypto import (
     SealOpenError,
     SegmentContext,
 )
-from tenantkv.extent_format import ExtentGeometry
+from tenantkv.datapath.extent_format import ExtentGeometry
 from tenantkv.index.schema import Block, DataKey, Extent, Tenant, Usage
 from tenantkv.index.schema import Namespace as NamespaceRow
-from tenantkv.keyring import data_key_context
 from tests.helpers import (
     MLA_SMALL,
     ManualClock,

@@ -1,4 +1,4 @@
-"""Records of use are written in batches (tenantkv.use_records).
+"""Records of use are written in batches (tenantkv.components.use_records).
 
 Loads that close while a batch waits for its turn join it: one write transaction per tenant
 for all of them, each extent written once at its latest use. Records still pending when the
@@ -20,7 +20,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 import tenantkv
-import tenantkv.use_records
+import tenantkv.components.use_records
 from tenantkv import TenantKV
 from tests.helpers import (
     MLA_SMALL,
@@ -164,7 +164,7 @@ def test_a_failed_batch_is_logged_and_the_next_one_is_written(
         raise OperationalError("UPDATE", {}, Exception("index unreachable"))
 
     with monkeypatch.context() as patch:
-        patch.setattr(tenantkv.use_records, "record_use", unreachable)
+        patch.setattr(tenantkv.components.use_records, "record_use", unreachable)
         clock.advance(10.0)
         load_all(ns, tokens[1])
         with caplog.at_level(logging.WARNING, logger="tenantkv"):
@@ -188,14 +188,14 @@ def test_one_tenants_failed_write_does_not_drop_anothers_records(
     stored = last_used(cache)
     tasks = held_background(cache)
     failing = tenant_id(cache, "b")
-    record_use = tenantkv.use_records.record_use
+    record_use = tenantkv.components.use_records.record_use
 
     def fails_for_b(connection: object, tenant_id: bytes, uses: object) -> dict[str, float]:
         if tenant_id == failing:
             raise OperationalError("SELECT", {}, Exception("row lock timeout"))
         return record_use(connection, tenant_id, uses)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tenantkv.use_records, "record_use", fails_for_b)
+    monkeypatch.setattr(tenantkv.components.use_records, "record_use", fails_for_b)
     used_at = clock.advance(10.0)
     load_all(a, a_tokens[1])
     load_all(b, b_tokens[2])

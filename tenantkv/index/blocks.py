@@ -77,7 +77,7 @@ def present_with_expiry(
     stop_at_gap: bool,
 ) -> dict[bytes, float]:
     """Like :func:`present_keys`, with the expiry time of each present key's extent (what a
-    node's lookup structure keeps, ``tenantkv.lookup_cache``)."""
+    node's lookup structure keeps, ``tenantkv.components.lookup_cache``)."""
     found: dict[bytes, float] = {}
     for start in range(0, len(keys), CHUNK):
         chunk = list(keys[start : start + CHUNK])

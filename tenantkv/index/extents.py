@@ -2,7 +2,7 @@
 
 Every path that removes extents (eviction, GC, purge, re-sealing, a damaged or lost extent,
 tenant deletion) deletes their rows here, inside the caller's write transaction, and removes
-their bytes only after that transaction commits (``tenantkv.extent_removal``). A crash in
+their bytes only after that transaction commits (``tenantkv.components.extent_removal``). A crash in
 between leaves an unindexed file for the orphan sweep, never a row pointing at missing bytes.
 """
 

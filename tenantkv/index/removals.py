@@ -1,9 +1,9 @@
 """Per-namespace removal counters: how each node's lookup structure learns that blocks left.
 
-A node keeps the keys its lookups found present (``tenantkv.lookup_cache``) and answers later
-lookups from them after one check: that nothing left the namespace since. Anything that makes
-an indexed block of a namespace a miss adds one to the namespace's counter, in the transaction
-that does it:
+A node keeps the keys its lookups found present (``tenantkv.components.lookup_cache``) and
+answers later lookups from them after one check: that nothing left the namespace since.
+Anything that makes an indexed block of a namespace a miss adds one to the namespace's counter,
+in the transaction that does it:
 
 * extent rows deleted (:func:`tenantkv.index.extents.delete_rows`, the one delete path:
   eviction, GC, purge, re-sealing, a damaged or lost extent);

@@ -25,9 +25,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..datapath.loader import LoadStream
 from ..errors import CacheClosedError, InvalidRequestError
 from ..layout import Layer
-from ..loader import LoadStream
 
 LayerConverter = Callable[[Layer], tuple[torch.Tensor, torch.Tensor]]
 

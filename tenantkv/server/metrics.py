@@ -4,7 +4,7 @@ that feeds them.
 ``/metrics`` renders one registry of the service's own: request counters, refused
 authentications, the cache's gauges (tenants, extents, bytes, capacity) read at scrape time,
 and the cache's data-plane registry (``kv.metrics_registry``: hits, loads, evictions, health and
-security events; see :mod:`tenantkv.metrics`).
+security events; see :mod:`tenantkv.components.metrics`).
 
 Labels never carry tenant names, tokens or raw paths: a request is counted under its route
 *template* (``/v1/tenants/{name}``), or ``unmatched``, with its method and status code. The

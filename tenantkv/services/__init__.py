@@ -1,3 +1,3 @@
-"""Services: what the cache does, each taking only components (``tenantkv.context``), never the
-``CacheContext`` facade. Namespaces (store, lookup, load, prefetch), tenants, and maintenance (GC,
-key retirement by re-sealing, purges)."""
+"""Services: what the cache does, each taking only components
+(``tenantkv.components.context``), never the facade. Namespaces (store, lookup, load,
+prefetch), tenants, and maintenance (GC, key retirement by re-sealing, purges)."""

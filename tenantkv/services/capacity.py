@@ -6,7 +6,7 @@ import shutil
 from typing import Any
 
 from ..audit import Attribution
-from ..context import CacheContext
+from ..components.context import CacheContext
 from ..errors import InvalidRequestError, QuotaExceededError
 from ..index import capacity
 from ..index.quota import total_quota

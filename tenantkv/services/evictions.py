@@ -3,7 +3,7 @@ the metrics."""
 
 from __future__ import annotations
 
-from ..context import CacheContext
+from ..components.context import CacheContext
 from ..index import namespaces
 from ..index.quota import Evicted
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..audit import USAGE_SUMMARY, AuditError
-from ..context import CacheContext
+from ..components.context import CacheContext
+from ..components.metering import BUCKET_SECONDS, read_usage
 from ..index import extents, leases, settings
 from ..index import tenants as tenant_rows
 from ..index.quota import lock_tenants
-from ..metering import BUCKET_SECONDS, read_usage
 from ..storage import StorageError
 from .shredding import retry_pending_scrub
 

@@ -23,8 +23,15 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..audit import QUOTA_REFUSED, SEGMENT_OPEN_FAILED
-from ..context import CacheContext
+from ..components.context import CacheContext
+from ..components.health import LOST_EXTENTS
+from ..components.key_guard import KeyGuard
 from ..crypto import CipherSuite, ExtentCipher, SegmentContext, new_salt
+from ..datapath.extent_format import ExtentGeometry
+from ..datapath.first_layers import FirstLayerHold
+from ..datapath.load_targets import LoadTarget
+from ..datapath.loader import ExtentFailure, LoadStream, open_readers
+from ..datapath.read_plan import PlannedExtent, ReadPlan, group_runs
 from ..editing.lineage import EditedPrefix
 from ..editing.script import EditScript
 from ..errors import (
@@ -36,18 +43,12 @@ from ..errors import (
     SegmentIntegrityError,
     TenantNotFoundError,
 )
-from ..extent_format import ExtentGeometry
-from ..first_layers import FirstLayerHold
-from ..health import LOST_EXTENTS
 from ..index import blocks, namespaces, removals
 from ..index.plan import ExtentRow, locate_blocks
 from ..index.quota import Evicted, make_room
 from ..index.schema import Extent
 from ..index.schema import Namespace as NamespaceRow
-from ..key_guard import KeyGuard
 from ..layout import KVLayout
-from ..load_targets import LoadTarget
-from ..loader import ExtentFailure, LoadStream, open_readers
 from ..prefix import (
     BLOCK_TOKENS,
     BLOCK_TOKENS_STEP,
@@ -61,7 +62,6 @@ from ..prefix import (
     layout_identity,
     model_fingerprint,
 )
-from ..read_plan import PlannedExtent, ReadPlan, group_runs
 from ..retention import DEFAULT_KIND, check_kind
 from ..retention import loads as loads_retention
 from ..storage import ExtentWriter, StorageError
@@ -212,8 +212,8 @@ class Namespace:
     def _cached_blocks(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys``, from the first, are cached now: the answer of a lookup.
 
-        The keys this node holds for the namespace (``tenantkv.lookup_cache``) answer for as
-        long a run as they cover, and one statement checks that nothing left the namespace
+        The keys this node holds for the namespace (``tenantkv.components.lookup_cache``) answer
+        for as long a run as they cover, and one statement checks that nothing left the namespace
         since they were read and asks about the first key past the run. Only when that key is
         present (blocks stored since), or the held keys are stale, does the index get asked
         about more keys (in chunks, as every lookup used to), and what it finds is held next.

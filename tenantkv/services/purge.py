@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..audit import Attribution
-from ..context import CacheContext
+from ..components.context import CacheContext
 from ..errors import TenantNotFoundError
 from ..index import extents
 from ..index import tenants as tenant_rows

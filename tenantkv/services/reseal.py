@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..audit import KEYS_RETIRE, SEGMENT_OPEN_FAILED, Attribution
-from ..context import CacheContext
+from ..components.context import CacheContext
 from ..crypto import CipherSuite, ExtentCipher, SealOpenError, SegmentContext, new_salt
+from ..datapath.extent_format import ExtentGeometry
 from ..errors import TenantNotFoundError
-from ..extent_format import ExtentGeometry
 from ..index import counters, extents
 from ..index import tenants as tenant_rows
 from ..index.quota import lock_tenants

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..context import CacheContext
+from ..components.context import CacheContext
 from ..crypto import KeyWrapper, new_key
 from ..index import migrate, settings
 from .capacity import init_capacity

@@ -17,8 +17,8 @@ import logging
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..context import CacheContext
-from ..health import INCOMPLETE_SCRUBS, SCRUB_PENDING
+from ..components.context import CacheContext
+from ..components.health import INCOMPLETE_SCRUBS, SCRUB_PENDING
 
 logger = logging.getLogger("tenantkv")
 

@@ -19,13 +19,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
-from ..context import CacheContext
+from ..components.context import CacheContext
+from ..components.metering import UsageReport, read_usage
 from ..errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
 from ..index import api_tokens, capacity, counters
 from ..index import tenants as tenant_rows
 from ..index.quota import Evicted, make_room, tenant_bytes, total_quota
 from ..index.schema import Tenant
-from ..metering import UsageReport, read_usage
 from ..retention import dumps as dumps_retention
 from ..retention import loads as loads_retention
 from ..retention import parse_retention

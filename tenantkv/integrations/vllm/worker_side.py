@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from ...datapath.loader import LoadStream
 from ...errors import TenantKVError
 from ...layout import KVLayout, Layer
-from ...loader import LoadStream
 from ..engine_identity import EngineNamespaces
 from ..paged_kv import gather_layer, scatter_layer
 from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata

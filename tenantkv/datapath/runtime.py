@@ -16,10 +16,10 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from ..config import CacheConfig
+from ..errors import CacheClosedError
 from .buffers import RecyclingPool
-from .config import CacheConfig
 from .cpu_pinning import CpuPinning, pinning_for_pool
-from .errors import CacheClosedError
 from .first_layers import FirstLayerGate
 from .loader import LoadStream
 from .staging import RingStats, StagingRing

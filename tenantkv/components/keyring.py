@@ -11,7 +11,7 @@ import struct
 import threading
 from collections import OrderedDict
 
-from .crypto import CipherSuite, ExtentCipher, KeyWrapper, SegmentContext, new_key
+from ..crypto import CipherSuite, ExtentCipher, KeyWrapper, SegmentContext, new_key
 
 _DEK_CONTEXT = b"tenantkv/dek\x00"
 _NSK_CONTEXT = b"tenantkv/nsk\x00"

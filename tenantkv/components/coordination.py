@@ -23,9 +23,9 @@ from collections.abc import Callable, Collection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from ..index import counters, extents, leases
+from ..index.database import Database
 from .extent_removal import ExtentRemover
-from .index import counters, extents, leases
-from .index.database import Database
 from .keyring import Keyring
 
 logger = logging.getLogger("tenantkv")

@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .index import tenants as tenant_rows
-from .index.database import Database
+from ..index import tenants as tenant_rows
+from ..index.database import Database
 
 logger = logging.getLogger("tenantkv")
 

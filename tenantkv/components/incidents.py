@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from .audit import FAILURE, Attribution, AuditLog
-from .index.database import Database
-from .security_events import SecurityEventLog
+from ..audit import FAILURE, Attribution, AuditLog
+from ..index.database import Database
+from ..security_events import SecurityEventLog
 
 logger = logging.getLogger("tenantkv")
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidRequestError
+from ..layout import KVLayout, Layer
+from ..prefix import BLOCK_TOKENS
+from ..tensor_checks import check_dense, check_disjoint
 from .buffers import RecyclingPool
-from .errors import InvalidRequestError
-from .layout import KVLayout, Layer
-from .prefix import BLOCK_TOKENS
-from .tensor_checks import check_dense, check_disjoint
 
 
 def _check_buffer(

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .crypto import ExtentCipher
+from ..crypto import ExtentCipher
+from ..prefix import BlockKey
 from .extent_format import ExtentGeometry
-from .prefix import BlockKey
 
 
 @dataclass(frozen=True, slots=True)

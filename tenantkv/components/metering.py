@@ -14,10 +14,10 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from .config import CacheConfig
-from .index import usage
-from .index.database import Database
-from .index.usage import FIELDS
+from ..config import CacheConfig
+from ..index import usage
+from ..index.database import Database
+from ..index.usage import FIELDS
 
 BUCKET_SECONDS = 60
 DEFAULT_HIT_COST: float = CacheConfig.hit_cost  # the default lives in CacheConfig

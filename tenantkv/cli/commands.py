@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import (
+from .. import (
     BLOCK_TOKENS,
     KVLayout,
     MasterKeyError,
@@ -23,12 +23,12 @@ from . import (
     TenantKVError,
     __version__,
 )
-from . import open as open_cache
-from .cli_audit import register as register_audit_commands
-from .cli_db import register as register_db_commands
-from .config import config_for_root, default_root
-from .server.cli import register as register_server_commands
-from .services.gc import text_progress
+from .. import open as open_cache
+from ..config import config_for_root, default_root
+from ..services.gc import text_progress
+from .audit import register as register_audit_commands
+from .db import register as register_db_commands
+from .server import register as register_server_commands
 
 
 def _print_table(rows: Sequence[tuple[str, str]]) -> None:
@@ -38,7 +38,7 @@ def _print_table(rows: Sequence[tuple[str, str]]) -> None:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from .server.auth import ensure_first_operator_token
+    from ..server.auth import ensure_first_operator_token
 
     with open_cache(config_for_root(args.root)) as kv:
         token = ensure_first_operator_token(kv)
@@ -145,7 +145,7 @@ def _walkthrough(root: str, num_tokens: int, num_layers: int) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The end-to-end demo (README's main job); needs the ``hf`` extra (transformers)."""
     try:
-        from .demo import run_demo
+        from ..demo import run_demo
     except ImportError as err:
         print(f"tenantkv demo: {err}", file=sys.stderr)
         return 2

@@ -10,9 +10,9 @@ from typing import Any
 
 from sqlalchemy import make_url
 
-from .config import config_for_root, default_root, open_key_wrapper
-from .index.migrate import head_revision
-from .services.schema_upgrade import current_state, upgrade_index
+from ..config import config_for_root, default_root, open_key_wrapper
+from ..index.migrate import head_revision
+from ..services.schema_upgrade import current_state, upgrade_index
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from .crypto import TAG_BYTES, CipherSuite
+from ..crypto import TAG_BYTES, CipherSuite
 
 MAGIC = b"TKVX"
 FORMAT_VERSION = 1

@@ -14,10 +14,10 @@ from collections.abc import Callable, Collection
 
 from sqlalchemy.orm import Session
 
-from .index import extents, leases
-from .index.database import Database
-from .index.quota import lock_tenants
-from .storage import BlockStore, StorageError
+from ..index import extents, leases
+from ..index.database import Database
+from ..index.quota import lock_tenants
+from ..storage import BlockStore, StorageError
 
 logger = logging.getLogger("tenantkv")
 

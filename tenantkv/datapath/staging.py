@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import CacheConfig
+from ..config import CacheConfig
 
 # The defaults live in CacheConfig (its field defaults, read off the class).
 DEFAULT_RING_BYTES: int = CacheConfig.staging_bytes

@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from .api import TenantKV
-from .audit import (
+from ..api import TenantKV
+from ..audit import (
     AUDIT_EXPORT,
     EXPORT_FORMATS,
     ROLE_OPERATOR,
@@ -32,9 +32,9 @@ from .audit import (
     AuditLog,
     verify_export,
 )
-from .config import config_for_root, default_root
-from .crypto import MasterKeyError
-from .index import tenants as tenant_rows
+from ..config import config_for_root, default_root
+from ..crypto import MasterKeyError
+from ..index import tenants as tenant_rows
 
 
 def parse_time(text: str) -> float:
@@ -111,7 +111,7 @@ def _write_lines(lines: Iterable[str], out: IO[str]) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from . import open as open_cache  # late: keeps `audit verify` free of the cache
+    from .. import open as open_cache  # late: keeps `audit verify` free of the cache
 
     if args.since is not None and args.until is not None and args.since >= args.until:
         print("tenantkv audit: --since must be before --until", file=sys.stderr)
@@ -162,7 +162,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_public_key(args: argparse.Namespace) -> int:
-    from . import open as open_cache
+    from .. import open as open_cache
 
     try:
         with open_cache(config_for_root(args.root)) as kv:
@@ -226,7 +226,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``audit`` commands on their own (``python -m tenantkv.cli_audit audit ...``)."""
+    """Run ``audit`` commands on their own (``python -m tenantkv.cli.audit audit ...``)."""
     parser = argparse.ArgumentParser(prog="tenantkv")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -13,22 +13,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .audit import ROLE_OPERATOR, Attribution, AuditLog
-from .config import CacheConfig
+from ..audit import ROLE_OPERATOR, Attribution, AuditLog
+from ..config import CacheConfig
+from ..crypto import KeyWrapper
+from ..datapath.runtime import Runtime
+from ..index.audit_chains import TenantAuditLog
+from ..index.database import Database
+from ..storage import BlockStore, LocalBlockStore, TieredBlockStore
 from .coordination import KeyEpochWatcher, LeaseKeeper, new_node_id
-from .crypto import KeyWrapper
 from .extent_removal import ExtentRemover
 from .health import HealthCounters
 from .incidents import SecurityIncidents
-from .index.audit_chains import TenantAuditLog
-from .index.database import Database
 from .keyring import Keyring
 from .lookup_cache import LookupCache
 from .metering import Meter
 from .metrics import DataPlaneMetrics, new_metrics
-from .runtime import Runtime
 from .serving import ServingPolicy
-from .storage import BlockStore, LocalBlockStore, TieredBlockStore
 from .use_records import UseRecords
 
 

@@ -12,13 +12,13 @@ import sys
 
 from ..config import config_for_root, default_root
 from ..errors import TenantKVError
-from .auth import ROLES, create_token, list_tokens, revoke_token
+from ..server.auth import ROLES, create_token, list_tokens, revoke_token
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .app import run
-        from .settings import Settings
+        from ..server.app import run
+        from ..server.settings import Settings
     except ImportError as err:
         print(
             f"tenantkv serve needs the server extra (pip install 'tenantkv[server]'): {err}",

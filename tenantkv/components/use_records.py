@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from ..index import extents
+from ..index.database import Database
+from ..index.plan import record_use
+from ..storage import BlockStore, StorageError
 from .extent_removal import ExtentRemover
-from .index import extents
-from .index.database import Database
-from .index.plan import record_use
-from .storage import BlockStore, StorageError
 
 logger = logging.getLogger("tenantkv")
 

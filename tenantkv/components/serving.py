@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import CacheMissError, CacheUnavailableError, TenantKVError
+from ..errors import CacheMissError, CacheUnavailableError, TenantKVError
 from .health import HealthCounters
 
 logger = logging.getLogger("tenantkv")

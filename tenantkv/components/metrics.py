@@ -264,9 +264,9 @@ class _SummedCounts:
 
 
 class _HealthAndSecurity:
-    """The health counters (:mod:`tenantkv.health`) and the security event counts, read when
-    scraped (recording them costs the data path nothing more). By kind only, never by tenant:
-    these counters keep none."""
+    """The health counters (:mod:`tenantkv.components.health`) and the security event counts,
+    read when scraped (recording them costs the data path nothing more). By kind only, never by
+    tenant: these counters keep none."""
 
     _NAMES = (
         "tenantkv_security_events",

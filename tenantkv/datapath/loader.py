@@ -70,21 +70,21 @@ from typing import Any, Self
 
 import torch
 
-from .crypto import ExtentCipher, SealOpenError
-from .errors import (
+from ..crypto import ExtentCipher, SealOpenError
+from ..errors import (
     CacheClosedError,
     InvalidRequestError,
     LoadError,
     LoadRevokedError,
     SegmentIntegrityError,
 )
+from ..layout import KVLayout, Layer
+from ..prefix import BlockKey
+from ..storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
 from .extent_format import HEADER_BYTES
-from .layout import KVLayout, Layer
 from .load_targets import LayerOutput, LoadTarget
-from .prefix import BlockKey
 from .read_plan import ReadPlan, Run
 from .staging import Slot, StagingRing
-from .storage import BlockStore, ExtentNotFoundError, ExtentReader, ShortReadError, StorageError
 
 #: Failure classes of an extent: its bytes failed to open (tampering or corruption: a
 #: security event), are gone or shorter than indexed (lost: a miss, not evidence of an
