@@ -22,7 +22,6 @@ import mmap
 import os
 import re
 import secrets
-import stat
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -32,13 +31,13 @@ from typing import Any
 from typing_extensions import Buffer
 
 from .base import BlockStore, ExtentReader, ExtentWriter, copy_from_view
+from .directories import PRIVATE_DIR, fsync_dir, private_dir
 from .errors import ExtentNotFoundError, ShortReadError, StorageError
 from .recent_writes import RecentWrites, Reservation, file_identity
 
 _EXTENT_SUFFIX = ".tkx"
 _ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
-_PRIVATE_DIR = 0o700
 # O_DIRECT moves whole pages from page-aligned memory at page-aligned offsets; 4 KiB covers
 # devices with 512-byte and 4 KiB logical blocks.
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -61,33 +60,8 @@ def _libc_fallocate() -> Any:
 
 
 _FALLOCATE = _libc_fallocate()
-_SHARED_BITS = stat.S_IRWXG | stat.S_IRWXO
 
 logger = logging.getLogger("tenantkv.storage")
-
-
-def _private_dir(path: Path) -> None:
-    """Create ``path`` owner-only (0700), or take group/other access away from an existing one
-    (with a warning): extents are sealed, but their names, sizes and times still tell who
-    cached how much and when."""
-    if not path.is_dir():
-        path.mkdir(mode=_PRIVATE_DIR, parents=True, exist_ok=True)
-        os.chmod(path, _PRIVATE_DIR)  # mkdir's mode is filtered by the umask
-        return
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & _SHARED_BITS:
-        logger.warning(
-            "%s was accessible to group or others (mode %04o); changed to 0700", path, mode
-        )
-        os.chmod(path, (mode & ~_SHARED_BITS) | _PRIVATE_DIR)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _DirectPages:
@@ -332,12 +306,12 @@ class _LocalWriter(ExtentWriter):
             os.close(self._fd)
             self._fd = None
             new_shard = not final.parent.exists()
-            final.parent.mkdir(mode=_PRIVATE_DIR, exist_ok=True)
+            final.parent.mkdir(mode=PRIVATE_DIR, exist_ok=True)
             os.rename(self._temp, final)
             if self._store.durable:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
                 if new_shard:  # the shard's own entry must be durable too
-                    _fsync_dir(self._store.extent_dir)
+                    fsync_dir(self._store.extent_dir)
         except OSError as err:
             self.abort()
             raise StorageError(f"committing extent failed: {err}") from err
@@ -622,10 +596,10 @@ class LocalBlockStore(BlockStore):
         self.extent_dir = self.root / "extents"
         self.temp_dir = self.root / "tmp"
         for directory in (self.root, self.extent_dir, self.temp_dir):
-            _private_dir(directory)
+            private_dir(directory)
         for shard in self.extent_dir.iterdir():
             if shard.is_dir():
-                _private_dir(shard)
+                private_dir(shard)
         #: The smallest segment loads open out of a mapping (0: any; None: none are mapped).
         self.mapped_segment_bytes: int | None = 0 if map_reads else None
         if map_reads is None and file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS:
