@@ -30,14 +30,16 @@ from typing import Any
 
 from typing_extensions import Buffer
 
-from .base import BlockStore, ExtentReader, ExtentWriter, copy_from_view
+from .base import BlockStore, ExtentReader, ExtentWriter
 from .directories import PRIVATE_DIR, fsync_dir, private_dir
-from .errors import ExtentNotFoundError, ShortReadError, StorageError
+from .errors import ExtentNotFoundError, StorageError
+from .local_reader import MAPPABLE_FILE_SYSTEMS, MAPPED_SEGMENT_BYTES, LocalReader, file_system_type
 from .recent_writes import RecentWrites, Reservation, file_identity
+
+__all__ = ["MAPPED_SEGMENT_BYTES", "LocalBlockStore", "file_system_type"]
 
 _EXTENT_SUFFIX = ".tkx"
 _ID_PATTERN = re.compile(r"[0-9a-f]{32}")
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 # O_DIRECT moves whole pages from page-aligned memory at page-aligned offsets; 4 KiB covers
 # devices with 512-byte and 4 KiB logical blocks.
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -62,6 +64,9 @@ def _libc_fallocate() -> Any:
 _FALLOCATE = _libc_fallocate()
 
 logger = logging.getLogger("tenantkv.storage")
+
+#: The reader's name from before it had a module of its own (tests patch its methods here).
+_LocalReader = LocalReader
 
 
 class _DirectPages:
@@ -364,201 +369,6 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += written
 
 
-_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
-_PROBE_BYTES = 4 * 4096 + 1  # at least five pages, whatever the alignment
-
-
-def _in_page_cache(fd: int, size: int) -> bool:
-    """Whether three spans of the file (a quarter, half and three quarters in) are in the page
-    cache: reads that stop rather than wait for the device (``RWF_NOWAIT``). True where that
-    cannot be told.
-
-    Lazily mapped extents are mapped only then: a fault on a page that is not cached reads
-    the device a little at a time, and cold loads out of a mapping ran 25% slower than
-    ``preadv``'s large reads (docs/perf.md). Each span covers several pages, since the edges
-    of an ``O_DIRECT`` writer's regions are written through the page cache: a single byte
-    there reads as cached while the pages around it are on the device only."""
-    if size <= 0:
-        return False
-    if _RWF_NOWAIT is None:
-        return True
-    probe = bytearray(_PROBE_BYTES)
-    for offset in (size // 4, size // 2, 3 * size // 4):
-        length = min(_PROBE_BYTES, size - offset)
-        try:
-            if os.preadv(fd, [memoryview(probe)[:length]], offset, _RWF_NOWAIT) != length:
-                return False
-        except BlockingIOError:
-            return False
-        except OSError:  # the file system does not take RWF_NOWAIT
-            return True
-    return True
-
-
-class _LocalReader(ExtentReader):
-    """One extent file, mapped read-only when the store allows it (see :meth:`mapped`), else
-    read with ``preadv``.
-
-    ``map_from``: the smallest segment size the reader maps for (0: any, mapped at open; None:
-    never). Above 0 the file is mapped on the first :meth:`mapped` call that asks for segments
-    that large, and the descriptor stays open beside the mapping: another thread may be in
-    :meth:`readinto` with it."""
-
-    def __init__(self, path: Path, *, map_from: int | None) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ExtentNotFoundError(f"no extent at {path.name}") from None
-        except OSError as err:
-            raise StorageError(f"opening extent failed: {err}") from err
-        self._fd: int | None = fd
-        self._map: mmap.mmap | None = None
-        self._view: memoryview | None = None
-        self._map_from = map_from
-        self._mapping = threading.Lock()  # one lazy mapping per reader
-        try:
-            self._size = os.fstat(fd).st_size
-            if map_from == 0 and self._size > 0:
-                self._map_file(fd, keep_fd=False)
-        except BaseException:
-            self.close()
-            raise
-
-    def _map_file(self, fd: int, *, keep_fd: bool) -> None:
-        """Map the file (``MAP_SHARED``, read-only: the page cache's own pages) and, unless
-        ``keep_fd``, close our descriptor, since the mapping holds one of its own; a failed
-        mapping leaves the reader reading with ``preadv``."""
-        try:
-            file_map = mmap.mmap(fd, self._size, prot=mmap.PROT_READ)
-        except (OSError, ValueError) as err:
-            logger.debug("mapping an extent failed (%s); reading it instead", err)
-            self._map_from = None
-            return
-        with contextlib.suppress(OSError, AttributeError):  # advisory
-            file_map.madvise(mmap.MADV_HUGEPAGE)
-        self._map = file_map
-        self._view = memoryview(file_map)
-        if not keep_fd:
-            os.close(fd)
-            self._fd = None
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def readinto(self, offset: int, buffers: Sequence[Buffer]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
-        if self._view is not None:
-            copy_from_view(self._view, offset, views)
-            return
-        if self._fd is None:
-            raise StorageError("extent reader is closed")
-        wanted = sum(len(v) for v in views)
-        done = 0
-        while done < wanted:
-            # preadv may return short counts and takes at most IOV_MAX buffers a call; continue
-            # with what is left.
-            skip = done
-            rest: list[memoryview] = []
-            for view in views:
-                if skip >= len(view):
-                    skip -= len(view)
-                    continue
-                rest.append(view[skip:])
-                skip = 0
-            try:
-                got = os.preadv(self._fd, rest[:_IOV_MAX], offset + done)
-            except OSError as err:
-                raise StorageError(f"reading extent failed: {err}") from err
-            if got == 0:
-                raise ShortReadError(
-                    f"extent ended at byte {offset + done}, wanted up to {offset + wanted}"
-                )
-            done += got
-
-    def mapped(self, segment_bytes: int = 0) -> memoryview | None:
-        """The extent's mapping, when the store maps reads of segments this large
-        (``map_reads``, :attr:`LocalBlockStore.mapped_segment_bytes`).
-
-        Only on file systems where a mapped page cannot vanish: touching a mapped page of a
-        file that was truncated, or that a network file system lost, raises SIGBUS and kills
-        the process. Extents are never truncated: written once, renamed into place, and
-        unlinked when deleted (an unlinked file stays readable while mapped).
-        """
-        if self._view is None and self._map_from is not None and segment_bytes >= self._map_from:
-            with self._mapping:
-                fd = self._fd
-                if self._view is None and fd is not None and _in_page_cache(fd, self._size):
-                    self._map_file(fd, keep_fd=True)
-        return self._view
-
-    def done_with(self, offset: int, length: int) -> None:
-        """Unmap consumed pages from this process (``MADV_DONTNEED`` of a shared file mapping
-        drops only the process's page-table entries; the page cache keeps the bytes, and a
-        later touch maps them again)."""
-        file_map = self._map
-        if file_map is None or length <= 0:
-            return
-        start = offset - offset % mmap.PAGESIZE
-        end = min(offset + length, self._size)
-        with contextlib.suppress(OSError, ValueError):  # advisory; a closed map is skipped
-            file_map.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-    def close(self) -> None:
-        view, file_map = self._view, self._map
-        self._view = self._map = None
-        if view is not None:
-            view.release()
-        if file_map is not None:
-            # A slice still referenced somewhere (an exception's traceback) keeps the mapping
-            # until it is collected.
-            with contextlib.suppress(BufferError):
-                file_map.close()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-#: File systems whose mapped pages cannot vanish under a reader: local disks and memory.
-#: Network and FUSE file systems (NFS, CephFS, 3FS, ...) are read with ``preadv`` instead,
-#: since a page they lose raises SIGBUS in whoever touches its mapping.
-_MAPPABLE_FILE_SYSTEMS = frozenset(
-    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay"}
-)
-
-
-#: Where extents are written with ``O_DIRECT`` and ``map_reads`` is left to its default, loads
-#: open segments at least this large straight out of a mapping and read smaller ones with
-#: ``preadv``. Such extents enter the page cache by reads, in small pages; for segments of
-#: 72 KiB (64 tokens of an MLA layer) mapping them was slower than reading them (8K-token
-#: loads 4.1 against 4.8 GB/s), from 144 KiB on it was faster (5.8 against 5.4; 288 KiB:
-#: 6.7 against 6.0; an MHA model's 256 KiB: 7.5 against 6.2; docs/perf.md).
-MAPPED_SEGMENT_BYTES = 128 * 1024
-
-
-def file_system_type(path: Path) -> str | None:
-    """The type of the file system holding ``path`` (from ``/proc/self/mountinfo``), or
-    ``None`` when it cannot be told (not Linux, unreadable)."""
-    try:
-        target = os.path.realpath(path)
-        with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
-            lines = mounts.read().splitlines()
-    except OSError:
-        return None
-    best, best_type = "", None
-    for line in lines:
-        fields = line.split()
-        try:
-            separator = fields.index("-")
-        except ValueError:
-            continue
-        mount_point = fields[4].replace("\\040", " ")
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best) and separator + 1 < len(fields):
-            best, best_type = mount_point, fields[separator + 1]
-    return best_type
-
-
 class LocalBlockStore(BlockStore):
     """Extents as files under ``root``. ``durable=False`` skips fsync (tests, scratch caches).
 
@@ -602,7 +412,7 @@ class LocalBlockStore(BlockStore):
                 private_dir(shard)
         #: The smallest segment loads open out of a mapping (0: any; None: none are mapped).
         self.mapped_segment_bytes: int | None = 0 if map_reads else None
-        if map_reads is None and file_system_type(self.root) in _MAPPABLE_FILE_SYSTEMS:
+        if map_reads is None and file_system_type(self.root) in MAPPABLE_FILE_SYSTEMS:
             self.mapped_segment_bytes = MAPPED_SEGMENT_BYTES if self.direct else 0
         if recent_bytes < 0:
             raise ValueError("recent_bytes must not be negative")
@@ -644,7 +454,7 @@ class LocalBlockStore(BlockStore):
             reader = self.recent.open(extent_id, lambda: file_identity(path))
             if reader is not None:
                 return reader
-        return _LocalReader(path, map_from=self.mapped_segment_bytes)
+        return LocalReader(path, map_from=self.mapped_segment_bytes)
 
     def prefetch(self, extent_id: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Ask the kernel to read the ranges into the page cache (``POSIX_FADV_WILLNEED``),
