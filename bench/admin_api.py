@@ -70,10 +70,9 @@ def free_port() -> int:
 def prepare(root: str) -> tuple[str, dict[str, str]]:
     """Create the tenants and an operator token; return the token and the database's details."""
     import tenantkv
-    from tenantkv.server.auth import ensure_first_operator_token
 
     with tenantkv.open(root) as kv:
-        token = ensure_first_operator_token(kv)
+        token = kv.tokens.ensure_first_operator()
         assert token is not None
         for name in TENANTS:
             kv.create_tenant(name, quota_bytes=256 * MiB, retention={"agent": "1d"})

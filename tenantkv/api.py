@@ -2,8 +2,10 @@
 
 ``open`` builds the components once (``tenantkv.components.context``) and the facade hands
 each call to the service that does it (``tenantkv.services``). The facade holds no logic of its
-own beyond the order of closing; its plumbing is private, except :attr:`TenantKV.context` for
-edges that embed the cache (the admin service, the CLI) and for tests.
+own beyond the order of closing. The admin API's tokens and the audit log are service objects
+(:attr:`TenantKV.tokens`, :attr:`TenantKV.audit`), so edges (the admin service, the CLI) reach
+them without the components; :attr:`TenantKV.context` is for tests and embedders that need a
+component itself.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from .layout import KVLayout
 from .private_files import private_dir
 from .security_events import SecurityEvent
 from .services import capacity, purge, reseal, tenants
+from .services.audit import AuditService
 from .services.gc import BackgroundGc, GcReport, Progress
 from .services.gc import collect as gc_collect
 from .services.namespace import Namespace, open_namespace
 from .services.purge import PurgeReport
 from .services.setup import prepare_index
 from .services.tenants import TenantInfo
+from .services.tokens import TokenService
 from .storage import BlockStore, StorageError
 
 if TYPE_CHECKING:
@@ -53,6 +57,8 @@ class TenantKV:
 
     def __init__(self, context: CacheContext, key_wrapper: KeyWrapper) -> None:
         self._ctx = context
+        self._tokens = TokenService(context)
+        self._audit = AuditService(context)
         self._gc: BackgroundGc | None = None
         self._lock = threading.Lock()
         self._coordination = CoordinationThread(context.leases, context.key_epoch)
@@ -74,12 +80,26 @@ class TenantKV:
 
     @property
     def context(self) -> CacheContext:
-        """The cache's components, for edges that embed it (admin service, CLI) and tests."""
+        """The cache's components, for tests and embedders that need one of them."""
         return self._ctx
 
     @property
     def config(self) -> CacheConfig:
         return self._ctx.config
+
+    @property
+    def tokens(self) -> TokenService:
+        """The admin API's tokens: mint, list, revoke, authenticate (``services/tokens.py``)."""
+        return self._tokens
+
+    @property
+    def audit(self) -> AuditService:
+        """The audit log: exports, checkpoints, the public key (``services/audit.py``)."""
+        return self._audit
+
+    def now(self) -> float:
+        """The cache's clock (what its records, expiries and retention are timed by)."""
+        return self._ctx.clock()
 
     # ---- lifetime -----------------------------------------------------------------------------
 
@@ -299,6 +319,15 @@ class TenantKV:
 
     def recent_security_events(self) -> list[SecurityEvent]:
         return self._ctx.incidents.log.recent()
+
+    def check_available(self) -> None:
+        """Raise CacheClosedError once closed, CacheUnavailableError when the index does not
+        answer (a health check: it reads the schema revision, nothing of any tenant)."""
+        ctx = self._open()
+        try:
+            ctx.index.schema_version()
+        except SQLAlchemyError as err:
+            raise CacheUnavailableError(f"the index does not answer: {err}") from err
 
     def health_counters(self) -> dict[str, int]:
         """Counts of what went wrong in this process that is not a security event: lost

@@ -45,21 +45,19 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, index: Index) -> Itera
     monkeypatch.delenv(MASTER_KEY_ENV, raising=False)
     path = tmp_path / "cache"
     with tenantkv.open(path, durable=False) as kv:
-        log = cli_audit.audit_log_of(kv)
-        with kv.context.index.write() as session:
-            for day, tenant in enumerate(["acme", "globex", "acme"]):
-                action = TENANT_CREATE if day < 2 else KEYS_ROTATE
-                log.append(
-                    session,
-                    AuditEvent(
-                        actor=f"{tenant}-admin",
-                        role="operator",
-                        tenant=tenant,
-                        action=action,
-                        target=tenant,
-                        time=T0 + day * 86400,
-                    ),
+        kv.audit.record(
+            *(
+                AuditEvent(
+                    actor=f"{tenant}-admin",
+                    role="operator",
+                    tenant=tenant,
+                    action=TENANT_CREATE if day < 2 else KEYS_ROTATE,
+                    target=tenant,
+                    time=T0 + day * 86400,
                 )
+                for day, tenant in enumerate(["acme", "globex", "acme"])
+            )
+        )
     yield path
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tenantkv.cli import main
-from tenantkv.server.auth import hash_token
+from tenantkv.services.tokens import hash_token
 from tests.indexes import Index
 
 

@@ -33,7 +33,6 @@ from tenantkv.crypto import KeyEncryptionKey, KeyFileProvider, new_key
 from tenantkv.index import migrate
 from tenantkv.index.database import Database
 from tenantkv.index.migrations.versions.identity_audit_macs import AUDIT_LOG
-from tenantkv.server.auth import verify_token
 from tenantkv.services.schema_upgrade import upgrade_index
 from tests import milestone1_schema
 from tests.indexes import Index
@@ -141,8 +140,8 @@ def test_an_upgraded_milestone1_cache_serves_its_old_data(
             assert torch.equal(tensor, stored_layer(layer))  # byte-exact, milestone 1's bytes
         globex = kv.namespace("globex", model="tiny-m1", layout=LAYOUT)
         assert globex.lookup(PROMPT) == 0  # isolation survives the upgrade
-        assert verify_token(kv, tokens["operator"]).role == "operator"
-        admin = verify_token(kv, tokens["acme_admin"])
+        assert kv.tokens.authenticate(tokens["operator"]).role == "operator"
+        admin = kv.tokens.authenticate(tokens["acme_admin"])
         assert (admin.role, admin.tenant) == ("tenant-admin", "acme")  # tenant_id backfilled
         for tenant in ("acme", None):
             lines = list(kv.context.audit.export(kv.context.index.read, tenant=tenant))

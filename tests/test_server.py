@@ -29,16 +29,8 @@ from tenantkv.cli import main
 from tenantkv.components.health import INCOMPLETE_SCRUBS, SCRUB_PENDING
 from tenantkv.index import tenants as tenant_rows
 from tenantkv.server.app import create_app
-from tenantkv.server.auth import (
-    AuthError,
-    create_token,
-    ensure_first_operator_token,
-    hash_token,
-    revoke_token,
-    token_id_of,
-    verify_token,
-)
 from tenantkv.server.settings import Settings
+from tenantkv.services.tokens import AuthError, hash_token, token_id_of
 from tests.helpers import MLA_SMALL, ManualClock, random_layers, random_tokens
 from tests.indexes import Index
 
@@ -64,7 +56,7 @@ def api_fixture(tmp_path: Path, index: Index) -> Iterator[Api]:
     kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**50, clock=clock)
     try:
         app = create_app(kv, Settings(root=str(tmp_path / "cache")))
-        operator = ensure_first_operator_token(kv)
+        operator = kv.tokens.ensure_first_operator()
         assert operator is not None
         kv.create_tenant("acme")
         kv.create_tenant("globex")
@@ -74,9 +66,9 @@ def api_fixture(tmp_path: Path, index: Index) -> Iterator[Api]:
                 client=client,
                 clock=clock,
                 operator=bearer(operator),
-                auditor=bearer(create_token(kv, "auditor")),
-                acme=bearer(create_token(kv, "tenant-admin", "acme")),
-                globex=bearer(create_token(kv, "tenant-admin", "globex")),
+                auditor=bearer(kv.tokens.create("auditor")),
+                acme=bearer(kv.tokens.create("tenant-admin", "acme")),
+                globex=bearer(kv.tokens.create("tenant-admin", "globex")),
             )
     finally:
         kv.close()
@@ -110,7 +102,7 @@ def audit_records(kv: TenantKV, tenant: str | None) -> list[dict[str, object]]:
 
 
 def test_bootstrap_token_only_once(api: Api) -> None:
-    assert ensure_first_operator_token(api.kv) is None
+    assert api.kv.tokens.ensure_first_operator() is None
     assert api.client.get("/v1/tenants", headers=api.operator).status_code == 200
 
 
@@ -333,7 +325,7 @@ def test_operator_token_management(api: Api) -> None:
     assert c.delete(f"/v1/tokens/{token_id}", headers=api.operator).status_code == 204
     assert c.get("/v1/audit/public-key", headers=bearer(made.json()["token"])).status_code == 401
     assert c.delete("/v1/tokens/0123456789abcdef", headers=api.operator).status_code == 404
-    assert revoke_token(api.kv, "0123456789abcdef") is False
+    assert api.kv.tokens.revoke("0123456789abcdef") is False
 
 
 # The token table as tenantkv made it before tokens were bound to a tenant id and a minter.
@@ -385,13 +377,13 @@ def test_an_older_token_table_is_brought_up_to_date_by_db_upgrade(tmp_path: Path
     assert main(["db", "upgrade", str(root)]) == 0
     kv = tenantkv.open(root, durable=False)
     try:
-        assert verify_token(kv, later).tenant == "acme"  # positive control
-        assert verify_token(kv, minted).tenant == "acme"
+        assert kv.tokens.authenticate(later).tenant == "acme"  # positive control
+        assert kv.tokens.authenticate(minted).tenant == "acme"
         with pytest.raises(AuthError, match="unbound"):
-            verify_token(kv, earlier)  # made before this tenant existed: not bound to it
-        assert revoke_token(kv, token_id_of(later))
+            kv.tokens.authenticate(earlier)  # made before this tenant existed: not bound to it
+        assert kv.tokens.revoke(token_id_of(later))
         with pytest.raises(AuthError, match="revoked"):
-            verify_token(kv, minted)  # its minter was recovered from created_by
+            kv.tokens.authenticate(minted)  # its minter was recovered from created_by
     finally:
         kv.close()
 
@@ -465,7 +457,7 @@ def test_real_uvicorn_server(tmp_path: Path) -> None:
     kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**40)
     port = _free_port()
     try:
-        operator = ensure_first_operator_token(kv)
+        operator = kv.tokens.ensure_first_operator()
         assert operator is not None
         config = uvicorn.Config(
             create_app(kv, Settings()), host="127.0.0.1", port=port, log_level="warning"

@@ -20,7 +20,7 @@ pytest.importorskip("fastapi")
 
 from tenantkv.audit import AuditChainHead, verify_export
 from tenantkv.index.api_tokens import ApiToken
-from tenantkv.server.auth import create_token, hash_token, token_id_of
+from tenantkv.services.tokens import hash_token, token_id_of
 from tests.indexes import Index
 from tests.test_server import (  # noqa: F401
     Api,
@@ -100,7 +100,7 @@ def test_refusals_are_audited_without_revealing_existence(api: Api) -> None:
 
 
 def test_revoked_and_expired_tokens_are_refused(api: Api) -> None:
-    short = create_token(api.kv, "tenant-admin", "acme", ttl_seconds=60)
+    short = api.kv.tokens.create("tenant-admin", "acme", ttl_seconds=60)
     assert api.client.get("/v1/tenants/acme", headers=bearer(short)).status_code == 200
     api.clock.now += 61
     expired = api.client.get("/v1/tenants/acme", headers=bearer(short))
@@ -117,7 +117,7 @@ def test_revoked_and_expired_tokens_are_refused(api: Api) -> None:
 
 
 def test_tenant_admin_cannot_mint_past_its_own_expiry(api: Api) -> None:
-    short = bearer(create_token(api.kv, "tenant-admin", "acme", ttl_seconds=100))
+    short = bearer(api.kv.tokens.create("tenant-admin", "acme", ttl_seconds=100))
     made = api.client.post("/v1/tenants/acme/tokens", json={"ttl_seconds": 5000}, headers=short)
     assert made.status_code == 201
     assert made.json()["expires_at"] <= api.clock.now + 100
@@ -199,7 +199,7 @@ def test_deleting_a_tenant_from_python_revokes_its_tokens_and_the_name_is_not_in
     deleted = [r for r in audit_records(api.kv, "acme") if r["action"] == "tenant.delete"]
     assert deleted[-1]["details"]["tokens_revoked"] == 2  # type: ignore[index]
     api.kv.create_tenant("acme")  # the same name, another customer
-    fresh = bearer(create_token(api.kv, "tenant-admin", "acme"))
+    fresh = bearer(api.kv.tokens.create("tenant-admin", "acme"))
     assert all(status in (200, 201) for status in _answers(api, "acme", fresh))  # control
     for old in (api.acme, child):
         assert _answers(api, "acme", old) == [401] * len(OWN_ROUTES)
@@ -229,7 +229,7 @@ def test_tokens_minted_while_a_tenant_is_deleted_never_survive(api: Api) -> None
     for run in range(8):
         name = f"race-{run}"
         api.kv.create_tenant(name)
-        admin = bearer(create_token(api.kv, "tenant-admin", name))
+        admin = bearer(api.kv.tokens.create("tenant-admin", name))
         minted: list[str] = []
         errors: list[str] = []
         threads = [
@@ -273,7 +273,7 @@ def test_a_tenant_created_again_does_not_read_its_predecessors_audit_chain(api: 
     api.kv.delete_tenant("acme")
     api.kv.create_tenant("acme")
     assert tenant_chain(api.kv, "acme") != old_chain
-    fresh = bearer(create_token(api.kv, "tenant-admin", "acme"))
+    fresh = bearer(api.kv.tokens.create("tenant-admin", "acme"))
     c.post("/v1/tenants/acme/keys/rotate", headers={**fresh, "X-Request-ID": "new-req-1"})
     exported = c.get("/v1/audit/export", headers=fresh)
     assert exported.status_code == 200

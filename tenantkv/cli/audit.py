@@ -22,19 +22,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from ..api import TenantKV
-from ..audit import (
-    AUDIT_EXPORT,
-    EXPORT_FORMATS,
-    ROLE_OPERATOR,
-    AuditError,
-    AuditEvent,
-    AuditLog,
-    verify_export,
-)
+from ..audit import EXPORT_FORMATS, ROLE_OPERATOR, Attribution, AuditError, verify_export
 from ..config import config_for_root, default_root
 from ..crypto import MasterKeyError
-from ..index import tenants as tenant_rows
 
 
 def parse_time(text: str) -> float:
@@ -59,11 +49,6 @@ def _actor() -> str:
         return f"cli:{getpass.getuser()}"
     except (KeyError, OSError):  # no user name for this uid (containers)
         return f"cli:uid-{os.getuid()}"
-
-
-def audit_log_of(kv: TenantKV) -> AuditLog:
-    """The cache's audit log (built once with its other components)."""
-    return kv.context.audit
 
 
 @contextlib.contextmanager
@@ -118,38 +103,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return 2
     try:
         with open_cache(config_for_root(args.root)) as kv:
-            log = audit_log_of(kv)
-            with (
-                kv.context.index.write() as session
-            ):  # the export is itself audited, before it runs
-                log.ensure_signing_key(session)
-                # An export of a tenant that no longer exists (its past chains) is recorded on
-                # the system chain: filing it under the name would start a chain for no tenant.
-                exists = (
-                    args.tenant is not None and tenant_rows.id_of(session, args.tenant) is not None
-                )
-                log.append(
-                    session,
-                    AuditEvent(
-                        actor=_actor(),
-                        role=ROLE_OPERATOR,
-                        tenant=args.tenant if exists else None,
-                        action=AUDIT_EXPORT,
-                        target=args.output or "-",
-                        details={
-                            "format": args.format,
-                            "since": args.since,
-                            "until": args.until,
-                            "tenant": args.tenant,
-                        },
-                    ),
-                )
-            lines = log.export(
-                kv.context.index.read,
+            kv.audit.record_export(  # the export is itself audited, before it runs
+                Attribution(_actor(), ROLE_OPERATOR),
                 tenant=args.tenant,
-                since=args.since,
-                until=args.until,
-                fmt=args.format,
+                target=args.output or "-",
+                details={
+                    "format": args.format,
+                    "since": args.since,
+                    "until": args.until,
+                    "tenant": args.tenant,
+                },
+            )
+            lines = kv.audit.export(
+                tenant=args.tenant, since=args.since, until=args.until, fmt=args.format
             )
             with _output(args.output) as out:
                 count = _write_lines(lines, out)
@@ -166,9 +132,7 @@ def _cmd_public_key(args: argparse.Namespace) -> int:
 
     try:
         with open_cache(config_for_root(args.root)) as kv:
-            log = audit_log_of(kv)
-            with kv.context.index.write() as session:  # creates the key on first use
-                pem = log.public_key_pem(session)
+            pem = kv.audit.public_key_pem(create=True)  # creates the key on first use
     except (AuditError, MasterKeyError, OSError) as err:
         print(f"tenantkv audit: {err}", file=sys.stderr)
         return 2

@@ -38,10 +38,8 @@ def _print_table(rows: Sequence[tuple[str, str]]) -> None:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from ..server.auth import ensure_first_operator_token
-
     with open_cache(config_for_root(args.root)) as kv:
-        token = ensure_first_operator_token(kv)
+        token = kv.tokens.ensure_first_operator()
         info = kv.info()
     print(f"tenantkv {__version__}: cache ready at {Path(info['root']).resolve()}")
     _print_table([(k, str(v)) for k, v in info.items()])

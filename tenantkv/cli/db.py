@@ -1,18 +1,17 @@
 """``tenantkv db upgrade [ROOT]`` and ``tenantkv db current [ROOT]``: the index's schema
 migrations, with the settings every other command uses (``config_for_root``: the root and the
-``TENANTKV_*`` environment, ``TENANTKV_DATABASE_URL`` included)."""
+``TENANTKV_*`` environment, ``TENANTKV_DATABASE_URL`` included).
+
+These run on an index that may not open as a cache (an older schema refuses to), so they call
+``services.schema_upgrade`` directly rather than through an opened ``TenantKV``."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from sqlalchemy import make_url
-
 from ..config import config_for_root, default_root, open_key_wrapper
-from ..index.migrate import head_revision
-from ..services.schema_upgrade import current_state, upgrade_index
+from ..services.schema_upgrade import current_state, head_revision, upgrade_index
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
@@ -25,16 +24,10 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _no_sqlite_file(url: str) -> bool:
-    """Whether ``url`` names a SQLite file that does not exist (connecting would create it)."""
-    database = make_url(url).database
-    return url.startswith("sqlite") and bool(database) and not Path(str(database)).exists()
-
-
 def _cmd_current(args: argparse.Namespace) -> int:
     config = config_for_root(args.root)
     head = head_revision()
-    state = None if _no_sqlite_file(config.index_url) else current_state(config)
+    state = current_state(config)
     if state is None or state.fresh:
         print(f"no index yet (this tenantkv creates revision {head})")
         return 0

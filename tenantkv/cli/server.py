@@ -12,7 +12,7 @@ import sys
 
 from ..config import config_for_root, default_root
 from ..errors import TenantKVError
-from ..server.auth import ROLES, create_token, list_tokens, revoke_token
+from ..services.tokens import ROLES
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -34,7 +34,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
     try:
         with open_cache(config_for_root(args.root)) as kv:
-            token = create_token(kv, args.role, args.tenant, args.ttl)
+            token = kv.tokens.create(args.role, args.tenant, args.ttl)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
         return 2
@@ -46,7 +46,7 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
     with open_cache(config_for_root(args.root)) as kv:
-        for info in list_tokens(kv, args.tenant):
+        for info in kv.tokens.listing(args.tenant):
             state = "revoked" if info.revoked_at is not None else "active"
             print(
                 f"{info.id}  {info.role:<12}  {info.tenant or '-':<20}  {state}  "
@@ -60,7 +60,7 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 
     try:
         with open_cache(config_for_root(args.root)) as kv:
-            found = revoke_token(kv, args.token_id)
+            found = kv.tokens.revoke(args.token_id)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
         return 2

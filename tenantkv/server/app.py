@@ -15,7 +15,6 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from ..api import TenantKV
 from . import errors
-from .auth import ensure_first_operator_token
 from .body_limit import BodyLimit
 from .gate import AuthGate
 from .metrics import Metrics, RequestMiddleware
@@ -97,7 +96,7 @@ def run(settings: Settings | None = None) -> None:
 
     config = settings or Settings()
     with open_cache(config.cache_config()) as kv:
-        token = ensure_first_operator_token(kv)
+        token = kv.tokens.ensure_first_operator()
         if token is not None:
             print(
                 f"tenantkv: first operator token (shown once, store it now): {token}",

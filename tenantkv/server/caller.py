@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..audit import ACCESS_REFUSED, DENIED, SUCCESS, Attribution, AuditEvent, Outcome
-from .auth import Principal
+from ..services.tokens import Principal
 
 if TYPE_CHECKING:
     from ..api import TenantKV
@@ -77,7 +77,6 @@ def audit_refusal(
             request_id=request_id,
             details={"reason": reason, "method": method},
         )
-        with kv.context.index.write() as session:
-            kv.context.audit.append(session, event)
+        kv.audit.record(event)
     except Exception as err:
         logging.getLogger("tenantkv").error("could not audit a refused API call: %s", err)

@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..api import TenantKV
 from ..audit import ROLE_AUDITOR, ROLE_OPERATOR, ROLE_TENANT_ADMIN
-from .auth import AuthError, Principal, Role, verify_token
+from ..services.tokens import AuthError, Principal, Role
 from .caller import Caller, audit_refusal
 from .errors import FORBIDDEN, UNAUTHORIZED, ApiError, not_found
 from .gate import PRINCIPAL_KEY, source_of
@@ -84,7 +84,7 @@ def caller_of(
     if isinstance(principal, Principal):
         return Caller(principal, request_id)
     try:
-        principal = verify_token(kv, credentials.credentials if credentials else None)
+        principal = kv.tokens.authenticate(credentials.credentials if credentials else None)
     except AuthError as err:
         # Counted, and audited per source and window: not one record per anonymous request.
         refusals: RefusalLog = request.app.state.refusals

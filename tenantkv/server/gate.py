@@ -19,7 +19,6 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Final
 
 from fastapi.security.utils import get_authorization_scheme_param
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -27,7 +26,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import TenantKVError
-from .auth import AuthError, Principal, verify_token
+from ..services.tokens import AuthError, Principal
 from .errors import UNAUTHORIZED
 from .refusals import RefusalLog
 
@@ -83,7 +82,7 @@ class AuthGate:
         token = bearer_token(scope)
         try:
             principal = await run_in_threadpool(self._authenticate, token, source_of(scope))
-        except (TenantKVError, SQLAlchemyError) as err:
+        except TenantKVError as err:  # the index did not answer (CacheUnavailableError)
             logger.warning("could not check an API token: %s", err)
             await JSONResponse(dict(UNAVAILABLE), status_code=503)(scope, receive, send)
             return
@@ -97,7 +96,7 @@ class AuthGate:
     def _authenticate(self, token: str | None, source: str | None) -> Principal | None:
         """The token's principal; None (the refusal counted) if it authenticates nobody."""
         try:
-            return verify_token(self.kv, token)
+            return self.kv.tokens.authenticate(token)
         except AuthError as err:
             self.refusals.count(source, err.reason, err.token_id)
             return None

@@ -87,7 +87,7 @@ class RefusalLog:
         if max_sources < 1:
             raise ValueError("max_sources must be at least 1")
         self._kv = kv
-        self._clock = clock or kv.context.clock
+        self._clock = clock or kv.now
         self.window_seconds = float(window_seconds)
         self.max_sources = max_sources
         self._lock = threading.Lock()
@@ -157,9 +157,7 @@ class RefusalLog:
             for window in windows:
                 events = list(self._events(window))
                 try:
-                    with self._kv.context.index.write() as session:
-                        for event in events:
-                            self._kv.context.audit.append(session, event)
+                    self._kv.audit.record(*events)  # one transaction per window
                 except Exception as err:  # never turn a refusal into a 500; logged and counted
                     logger.error("could not audit %d refused authentications: %s", len(events), err)
                     with self._lock:

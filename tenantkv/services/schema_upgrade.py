@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from sqlalchemy import inspect, make_url
 
@@ -66,7 +67,22 @@ def upgrade_index(
         index.close()
 
 
-def current_state(config: CacheConfig) -> migrate.SchemaState:
+def head_revision() -> str:
+    """The schema revision this tenantkv creates and upgrades to."""
+    return migrate.head_revision()
+
+
+def _no_sqlite_file(url: str) -> bool:
+    """Whether ``url`` names a SQLite file that does not exist (connecting would create it)."""
+    database = make_url(url).database
+    return url.startswith("sqlite") and bool(database) and not Path(str(database)).exists()
+
+
+def current_state(config: CacheConfig) -> migrate.SchemaState | None:
+    """The revision ``config``'s index is at; None for a SQLite file that does not exist yet
+    (looking must not create it)."""
+    if _no_sqlite_file(config.index_url):
+        return None
     index = Database(config.index_url)
     try:
         return migrate.current_revision(index)

@@ -23,18 +23,17 @@ from ...audit import (
     ROLE_TENANT_ADMIN,
     SYSTEM_CHAIN,
     TENANT_CHAIN_PREFIX,
+    Checkpoint,
     ExportFormat,
     is_chain_of,
 )
-from ...index import audit_queries
-from ...index.audit_chains import incarnation_chain
+from ...services.audit import MAX_CHECKPOINTS
 from ..caller import Caller
 from ..dependencies import KV, AnyRole, AuditReader, Operator, refuse
 from ..errors import not_found
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 
-AUDIT_CHECKPOINT: Final = "audit.checkpoint"
 MAX_TIME: Final = 1e11
 _MEDIA: Final[dict[str, str]] = {
     "jsonl": "application/x-ndjson",
@@ -63,6 +62,18 @@ class CheckpointOut(BaseModel):
     key_id: str
     signature: str
 
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> CheckpointOut:
+        return cls(
+            chain=checkpoint.chain,
+            seq=checkpoint.seq,
+            head_hash=checkpoint.head_hash,
+            count=checkpoint.count,
+            time_us=checkpoint.time_us,
+            key_id=checkpoint.key_id,
+            signature=_text(checkpoint.signature),
+        )
+
 
 def _chain_tenant(request: Request, kv: KV, caller: Caller, tenant: str | None) -> str | None:
     """The tenant whose chain ``caller`` reads (None: every chain, or the system chain)."""
@@ -84,8 +95,7 @@ def _chain(
     chain_tenant = _chain_tenant(request, kv, caller, tenant)
     current: str | None = None
     if chain_tenant is not None:
-        with kv.context.index.read() as session:
-            current = incarnation_chain(session, chain_tenant)
+        current = kv.audit.current_chain(chain_tenant)
         if current is None:
             raise not_found()
     if chain is None:
@@ -116,25 +126,16 @@ def export(
     chain_tenant = _chain_tenant(request, kv, caller, tenant)
     only = _chain(request, kv, caller, tenant, chain)
     lines = iter(
-        kv.context.audit.export(
-            kv.context.index.read,
-            tenant=chain_tenant,
-            since=since,
-            until=until,
-            fmt=fmt,
-            chain=only,
+        kv.audit.export(tenant=chain_tenant, since=since, until=until, fmt=fmt, chain=only)
+    )
+    kv.audit.record(
+        caller.event(
+            chain_tenant,
+            AUDIT_EXPORT,
+            only or "all",
+            details={"format": fmt, "since": since, "until": until},
         )
     )
-    with kv.context.index.write() as session:
-        kv.context.audit.append(
-            session,
-            caller.event(
-                chain_tenant,
-                AUDIT_EXPORT,
-                only or "all",
-                details={"format": fmt, "since": since, "until": until},
-            ),
-        )
 
     # The export checks the chains it covers (MACs of their heads, the anchor file, purge
     # statements) before its first line: take that line now, so a log found tampered with is
@@ -162,20 +163,7 @@ def list_checkpoints(
     """Stored signed checkpoints of one chain (``tenant``'s current one, or ``chain``; none:
     the system chain)."""
     chain = _chain(request, kv, caller, tenant, chain) or SYSTEM_CHAIN
-    with kv.context.index.read() as session:
-        rows = audit_queries.checkpoints(session, chain, limit=1000)
-        return [
-            CheckpointOut(
-                chain=row.chain,
-                seq=row.seq,
-                head_hash=row.head_hash,
-                count=row.count,
-                time_us=row.time_us,
-                key_id=row.key_id,
-                signature=_text(row.signature),
-            )
-            for row in rows
-        ]
+    return [CheckpointOut.of(c) for c in kv.audit.checkpoints(chain, limit=MAX_CHECKPOINTS)]
 
 
 @router.post("/checkpoints", status_code=201, response_model=CheckpointOut)
@@ -185,31 +173,16 @@ def create_checkpoint(
     """Sign the current head of a chain now (``tenant``'s current one; none: the system
     chain). The request is recorded on that chain first, so the checkpoint covers its own audit
     record. A tenant that does not exist is the guards' 404: no chain is started for it."""
-    tenant = body.tenant if body else None
-    with kv.context.index.write() as session:
-        chain = SYSTEM_CHAIN if tenant is None else incarnation_chain(session, tenant)
-        if chain is None:
-            raise not_found()
-        record = kv.context.audit.append(session, caller.event(tenant, AUDIT_CHECKPOINT, chain))
-        assert record.chain == chain, f"{chain} checkpoint request filed in {record.chain}"
-        checkpoint = kv.context.audit.checkpoint(session, chain)
-    return CheckpointOut(
-        chain=checkpoint.chain,
-        seq=checkpoint.seq,
-        head_hash=checkpoint.head_hash,
-        count=checkpoint.count,
-        time_us=checkpoint.time_us,
-        key_id=checkpoint.key_id,
-        signature=_text(checkpoint.signature),
-    )
+    checkpoint = kv.audit.checkpoint(body.tenant if body else None, caller.attribution)
+    if checkpoint is None:
+        raise not_found()
+    return CheckpointOut.of(checkpoint)
 
 
 @router.get("/public-key", response_class=Response)
 def public_key(kv: KV, caller: AnyRole) -> Response:
     """The Ed25519 checkpoint verification key (PEM), for ``tenantkv audit verify``."""
-    with kv.context.index.read() as session:
-        pem = kv.context.audit.public_key_pem(session)
-    return Response(pem, media_type="application/x-pem-file")
+    return Response(kv.audit.public_key_pem(), media_type="application/x-pem-file")
 
 
 def _text(value: object) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from sqlalchemy.exc import SQLAlchemyError
 
 from ...errors import TenantKVError
 from ..dependencies import KV, AppMetrics, AppSettings, Credentials, caller_of, check_role
@@ -17,9 +16,8 @@ router = APIRouter(tags=["system"])
 def healthz(kv: KV) -> JSONResponse:
     """200 when the index answers; 503 otherwise. Reveals nothing about tenants."""
     try:
-        kv.context.runtime.check_open()
-        kv.context.index.schema_version()
-    except (TenantKVError, SQLAlchemyError):
+        kv.check_available()
+    except TenantKVError:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
 

@@ -10,15 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...audit import ROLE_TENANT_ADMIN
 from ...errors import InvalidRequestError
-from ..auth import (
-    AuthError,
-    Role,
-    TokenInfo,
-    insert_token,
-    list_tokens,
-    mark_revoked,
-    token_id_of,
-)
+from ...services.tokens import AuthError, Role, TokenInfo
 from ..caller import Caller
 from ..dependencies import KV, AppSettings, Operator, TenantCaller
 from ..errors import UNAUTHORIZED, ApiError
@@ -72,37 +64,22 @@ def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> flo
         raise InvalidRequestError(
             f"ttl_seconds may be at most {int(settings.max_token_ttl_seconds)}"
         )
-    if caller.role == ROLE_TENANT_ADMIN:
-        limit = caller.principal.expires_at
-        if limit is not None:
-            remaining = limit - kv.context.clock()
-            ttl = remaining if ttl is None else min(ttl, remaining)
-        elif ttl is None:
-            ttl = settings.max_token_ttl_seconds
-    return ttl
+    return kv.tokens.bounded_ttl(caller.principal, ttl, settings.max_token_ttl_seconds)
 
 
 def _create(
     kv: KV, caller: Caller, role: Role, tenant: str | None, ttl: float | None
 ) -> TokenCreated:
     try:
-        with kv.context.index.write() as session:
-            token = insert_token(
-                kv,
-                session,
-                role,
-                tenant,
-                ttl,
-                actor=caller.actor,
-                actor_role=caller.role,
-                request_id=caller.request_id,
-                minter=caller.principal,
-            )
+        issued = kv.tokens.issue(role, tenant, ttl, by=caller.attribution, minter=caller.principal)
     except AuthError:  # the caller's token (or a minter's) was revoked since it was checked
         raise ApiError(401, dict(UNAUTHORIZED), {"WWW-Authenticate": "Bearer"}) from None
-    info = next(t for t in list_tokens(kv, tenant) if t.id == token_id_of(token))
     return TokenCreated(
-        token=token, token_id=info.id, role=role, tenant=tenant, expires_at=info.expires_at
+        token=issued.token,
+        token_id=issued.info.id,
+        role=role,
+        tenant=tenant,
+        expires_at=issued.info.expires_at,
     )
 
 
@@ -122,23 +99,13 @@ def create_tenant_token(
 @router.get("/v1/tenants/{name}/tokens", response_model=list[TokenOut])
 def list_tenant_tokens(name: str, kv: KV, caller: TenantCaller) -> list[TokenOut]:
     kv.get_tenant(name)  # a missing tenant is a 404, not an empty list
-    return [TokenOut.of(info) for info in list_tokens(kv, name)]
+    return [TokenOut.of(info) for info in kv.tokens.listing(name)]
 
 
 @router.delete("/v1/tenants/{name}/tokens/{token_id}", status_code=204)
 def revoke_tenant_token(name: str, token_id: TokenId, kv: KV, caller: TenantCaller) -> Response:
     kv.get_tenant(name)
-    with kv.context.index.write() as session:
-        found = mark_revoked(
-            kv,
-            session,
-            token_id,
-            actor=caller.actor,
-            actor_role=caller.role,
-            request_id=caller.request_id,
-            tenant=name,
-        )
-    if not found:
+    if not kv.tokens.revoke(token_id, by=caller.attribution, tenant=name):
         raise ApiError(404, dict(_NO_TOKEN))
     return Response(status_code=204)
 
@@ -153,20 +120,11 @@ def create_token(
 
 @router.get("/v1/tokens", response_model=list[TokenOut])
 def list_all_tokens(kv: KV, caller: Operator) -> list[TokenOut]:
-    return [TokenOut.of(info) for info in list_tokens(kv)]
+    return [TokenOut.of(info) for info in kv.tokens.listing()]
 
 
 @router.delete("/v1/tokens/{token_id}", status_code=204)
 def revoke_token(token_id: TokenId, kv: KV, caller: Operator) -> Response:
-    with kv.context.index.write() as session:
-        found = mark_revoked(
-            kv,
-            session,
-            token_id,
-            actor=caller.actor,
-            actor_role=caller.role,
-            request_id=caller.request_id,
-        )
-    if not found:
+    if not kv.tokens.revoke(token_id, by=caller.attribution):
         raise ApiError(404, dict(_NO_TOKEN))
     return Response(status_code=204)
