@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import crypto
+from . import crypto, host_cpus
 from .crypto import (
     DEFAULT_SUITE,
     CipherSuite,
@@ -93,9 +93,11 @@ class CacheConfig:
     recent_writes_bytes: int = 256 * MiB
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False
-    #: Threads that seal stores (default: one per core).
+    #: Threads that seal stores (default: one per CPU the process can use, ``cores``: its
+    #: affinity mask bounded by its cgroup CPU quota, not the host's count).
     seal_workers: int | None = None
-    #: Threads that read and open the chunks of every load (default: ``max(2, cores)``).
+    #: Threads that read and open the chunks of every load (default: ``max(2, seal_threads)``,
+    #: so ``max(2, cores)`` where ``seal_workers`` is not set).
     load_workers: int | None = None
     #: Pin each loader and sealing thread to a CPU of its own, round robin over the CPUs the
     #: process may use, in pools with no more threads than those CPUs
@@ -103,7 +105,8 @@ class CacheConfig:
     #: queued behind each other on one CPU for milliseconds while another idled. Turn off where
     #: busy threads of the embedding process are pinned to the same CPUs.
     pin_workers: bool = True
-    #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes.
+    #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes
+    #: (default: ``max(2, seal_threads)``, as ``load_workers``).
     window: int | None = None
     #: Host memory all loads use for ciphertext in flight, in slots of ``staging_slot_bytes``.
     #: A chunk (one slot of ciphertext) costs a read, a lock round trip and Python
@@ -197,7 +200,10 @@ class CacheConfig:
 
     @property
     def cores(self) -> int:
-        return os.cpu_count() or 1
+        """The CPUs this process can keep busy: its affinity mask bounded by its cgroup CPU
+        quota (``tenantkv.host_cpus``), not the host's count, which inside a container or under
+        ``taskset`` started more threads than the process had CPUs."""
+        return host_cpus.usable_cpu_count()
 
     @property
     def seal_threads(self) -> int:

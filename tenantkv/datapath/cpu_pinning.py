@@ -29,18 +29,11 @@ import logging
 import os
 import threading
 
+from ..host_cpus import allowed_cpus
+
 logger = logging.getLogger("tenantkv")
 
-
-def allowed_cpus() -> list[int]:
-    """The CPUs this process may run on, in order (empty where the platform cannot tell)."""
-    getaffinity = getattr(os, "sched_getaffinity", None)
-    if getaffinity is None:
-        return []
-    try:
-        return sorted(getaffinity(0))
-    except OSError:
-        return []
+__all__ = ["CpuPinning", "allowed_cpus", "pinning_for_pool"]
 
 
 def pinning_for_pool(threads: int) -> CpuPinning | None:
