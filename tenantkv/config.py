@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import crypto
+from . import crypto, host_cpus
 from .crypto import (
     DEFAULT_SUITE,
     CipherSuite,
@@ -93,17 +93,29 @@ class CacheConfig:
     recent_writes_bytes: int = 256 * MiB
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False
-    #: Threads that seal stores (default: one per core).
+    #: Threads that seal stores (default: one per CPU the process can use, ``cores``: its
+    #: affinity mask bounded by its cgroup CPU quota, not the host's count).
     seal_workers: int | None = None
-    #: Threads that read and open the chunks of every load (default: ``max(2, cores)``).
+    #: Threads that read and open the chunks of every load (default: ``max(2, seal_threads)``,
+    #: so ``max(2, cores)`` where ``seal_workers`` is not set).
     load_workers: int | None = None
-    #: Pin each loader and sealing thread to a CPU of its own, round robin over the CPUs the
-    #: process may use, in pools with no more threads than those CPUs
+    #: Pin each loader and sealing thread to a CPU of its own, on CPUs this process claims
+    #: host-wide, so that engine processes sharing a host pin to disjoint CPUs
     #: (``tenantkv.datapath.cpu_pinning``): unpinned, a load's or a store's workers often
-    #: queued behind each other on one CPU for milliseconds while another idled. Turn off where
-    #: busy threads of the embedding process are pinned to the same CPUs.
+    #: queued behind each other on one CPU for milliseconds while another idled. A pool stays
+    #: unpinned where fewer CPUs than its threads are free. Turn off where busy threads of the
+    #: embedding process are pinned to the same CPUs.
     pin_workers: bool = True
-    #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes.
+    #: Where processes claim the CPUs their pools pin to: one lock file per CPU, held by the
+    #: process that pins there (``lslocks | grep tenantkv-cpus`` shows who). Default (None):
+    #: ``/dev/shm/tenantkv-cpus`` (the temp dir's where there is no ``/dev/shm``), seen only by
+    #: processes sharing that ``/dev/shm``; so a process whose cgroup CPU quota is below its CPU
+    #: mask (a container with a CPU limit, whose neighbours have a ``/dev/shm`` of their own)
+    #: leaves its pools unpinned unless this is set, to a directory every engine process on the
+    #: host sees (a host path mounted into each container).
+    cpu_claim_dir: Path | None = None
+    #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes
+    #: (default: ``max(2, seal_threads)``, as ``load_workers``).
     window: int | None = None
     #: Host memory all loads use for ciphertext in flight, in slots of ``staging_slot_bytes``.
     #: A chunk (one slot of ciphertext) costs a read, a lock round trip and Python
@@ -144,8 +156,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
-        if self.audit_anchor_path is not None:
-            object.__setattr__(self, "audit_anchor_path", Path(self.audit_anchor_path))
+        for name in ("audit_anchor_path", "cpu_claim_dir"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
         try:
             object.__setattr__(self, "suite", CipherSuite.parse(self.suite))
         except ValueError as err:
@@ -197,7 +210,10 @@ class CacheConfig:
 
     @property
     def cores(self) -> int:
-        return os.cpu_count() or 1
+        """The CPUs this process can keep busy: its affinity mask bounded by its cgroup CPU
+        quota (``tenantkv.host_cpus``), not the host's count, which inside a container or under
+        ``taskset`` started more threads than the process had CPUs."""
+        return host_cpus.usable_cpu_count()
 
     @property
     def seal_threads(self) -> int:

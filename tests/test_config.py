@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import tenantkv
+import tenantkv.host_cpus
 from tenantkv.config import CacheConfig, config_for_root, default_root
 
 from .indexes import Index
@@ -81,3 +82,23 @@ def test_the_cli_and_the_server_share_one_default_root(
     assert default_root() == str(tmp_path) == Settings().root
     assert Settings().cache_config() == config_for_root(tmp_path)
     assert Settings().cache_config().load_workers == 4
+
+
+@pytest.mark.parametrize(
+    ("cores", "seal", "load", "window"), [(6, 6, 6, 6), (1, 1, 2, 2), (32, 32, 32, 32)]
+)
+def test_worker_counts_and_window_follow_the_cpus_the_process_can_use(
+    monkeypatch: pytest.MonkeyPatch, cores: int, seal: int, load: int, window: int
+) -> None:
+    # Not os.cpu_count(): the host's count inside a container or under taskset.
+    monkeypatch.setattr(tenantkv.host_cpus, "usable_cpu_count", lambda: cores)
+    config = CacheConfig()
+    assert config.cores == cores
+    assert (config.seal_threads, config.load_threads, config.read_ahead) == (seal, load, window)
+    # Control: explicit settings win over the CPUs.
+    explicit = CacheConfig(seal_workers=3, load_workers=5, window=7)
+    assert (explicit.seal_threads, explicit.load_threads, explicit.read_ahead) == (3, 5, 7)
+
+
+def test_cores_are_the_usable_cpus_of_this_process() -> None:
+    assert CacheConfig().cores == tenantkv.host_cpus.usable_cpu_count()

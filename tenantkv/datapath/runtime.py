@@ -42,9 +42,9 @@ class Runtime:
         self.load_threads = config.load_threads
         # Each worker thread on a CPU of its own (cpu_pinning.py: otherwise a load's or a
         # store's workers queued behind each other on one CPU, for milliseconds).
-        pin = config.pin_workers
-        self.seal_pinning = pinning_for_pool(self.workers) if pin else None
-        self.load_pinning = pinning_for_pool(self.load_threads) if pin else None
+        pin, claims = config.pin_workers, config.cpu_claim_dir
+        self.seal_pinning = pinning_for_pool(self.workers, claims) if pin else None
+        self.load_pinning = pinning_for_pool(self.load_threads, claims) if pin else None
         self.seal_executor = _pool(self.workers, "tenantkv-seal", self.seal_pinning)
         self.load_executor = _pool(self.load_threads, "tenantkv-load", self.load_pinning)
         # One thread: bookkeeping that waits for a first layer never holds a load's worker;
@@ -121,6 +121,9 @@ class Runtime:
         self.load_executor.shutdown(wait=wait, cancel_futures=True)
         self.bookkeeping_executor.shutdown(wait=wait, cancel_futures=True)
         self.seal_executor.shutdown(wait=wait, cancel_futures=True)
+        for pinning in (self.load_pinning, self.seal_pinning):
+            if pinning is not None:  # the CPUs claimed for the pools, free for other processes
+                pinning.release()
 
 
 def _pool(threads: int, name: str, pinning: CpuPinning | None) -> ThreadPoolExecutor:
