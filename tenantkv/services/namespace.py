@@ -1,8 +1,9 @@
 """A namespace: one tenant's (optionally scoped) cache for one model fingerprint.
 
-``store`` seals new full blocks into one layer-major extent and indexes them; ``lookup`` finds the
-longest cached prefix; ``load`` streams a cached prefix layer by layer. Nothing is shared across
-namespaces: each has its own hashing key, so identical tokens give unrelated block keys.
+``store`` seals new full blocks into one layer-major extent (``tenantkv.datapath.sealing``) and
+indexes them; ``lookup`` finds the longest cached prefix; ``load`` streams a cached prefix layer
+by layer. Nothing is shared across namespaces: each has its own hashing key, so identical tokens
+give unrelated block keys.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..datapath.first_layers import FirstLayerHold
 from ..datapath.load_targets import LoadTarget
 from ..datapath.loader import ExtentFailure, LoadStream, open_readers
 from ..datapath.read_plan import PlannedExtent, ReadPlan, group_runs
+from ..datapath.sealing import seal_extent
 from ..editing.lineage import EditedPrefix
 from ..editing.script import EditScript
 from ..errors import (
@@ -64,15 +64,12 @@ from ..prefix import (
 )
 from ..retention import DEFAULT_KIND, check_kind
 from ..retention import loads as loads_retention
-from ..storage import ExtentWriter, StorageError
+from ..storage import StorageError
 from ..tokens import as_token_array
 from .evictions import discard_evicted
 from .tenants import check_tenant_name
 
 logger = logging.getLogger("tenantkv")
-
-#: The most sealed bytes one store task seals and writes at once (see ``_write_extent``).
-STORE_PIECE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -383,6 +380,9 @@ class Namespace:
         kind: str,
         settings: tuple[int, bytes, int, dict[str, float]],
     ) -> int:
+        """Seal the blocks at ``positions`` into one new extent (``datapath/sealing.py``) and
+        index it; return the tokens newly stored. The extent's bytes go again when indexing
+        fails, or when another writer indexed all these blocks first."""
         key_version, data_key, quota, retention = settings
         suite = self._ctx.config.suite
         geometry = ExtentGeometry(
@@ -405,8 +405,19 @@ class Namespace:
         salt = new_salt()
         context = SegmentContext(self.identity.tenant_id, key_version, self.identity.namespace_id)
         cipher = ExtentCipher(data_key, salt, context, suite)
-        extent_id = self._write_extent(
-            geometry, cipher, keys, positions, rows, first_row_block, retention[kind]
+        runtime = self._ctx.runtime
+        extent_id = seal_extent(
+            self._ctx.blocks,
+            geometry,
+            cipher,
+            keys=keys,
+            positions=positions,
+            rows=rows,
+            first_row_block=first_row_block,
+            executor=runtime.seal_executor,
+            workers=runtime.workers,
+            window=runtime.window,
+            retain_for=retention[kind],
         )
         try:
             inserted, evicted = self._index_extent(
@@ -426,99 +437,6 @@ class Namespace:
             )
             self._ctx.metrics.stored(self.tenant, geometry.total_bytes)
         return inserted * self.block_tokens
-
-    def _seal_and_write(
-        self,
-        writer: ExtentWriter,
-        geometry: ExtentGeometry,
-        cipher: ExtentCipher,
-        layer: int,
-        first_slot: int,
-        keys: list[BlockKey],
-        positions: list[int],
-        rows: torch.Tensor,
-        first_row_block: int,
-    ) -> None:
-        """Worker: seal the new segments ``first_slot ..`` (``len(positions)`` of them) of one
-        layer into the writer's scratch memory and write them with one ``write_at``.
-
-        ``rows`` starts at block ``first_row_block`` of the prefix (see ``store(start=)``).
-        """
-        plain = geometry.segment_bytes
-        offset = geometry.offset(layer, first_slot)
-        out = writer.scratch(offset, len(positions) * geometry.sealed_bytes)
-        source = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
-        plaintexts = []
-        for position in positions:
-            row_block = position - first_row_block
-            assert row_block >= 0, "a stored block lies before the rows the caller passed"
-            plaintexts.append(source[row_block * plain : (row_block + 1) * plain])
-        cipher.seal_many_into(
-            first_slot, layer, [keys[position] for position in positions], plaintexts, out
-        )
-        writer.write_at(offset, out)
-
-    def _write_extent(
-        self,
-        geometry: ExtentGeometry,
-        cipher: ExtentCipher,
-        keys: list[BlockKey],
-        positions: list[int],
-        rows: list[torch.Tensor],
-        first_row_block: int,
-        retain_for: float,
-    ) -> str:
-        """Seal and write the extent on the worker pool, a bounded window of pieces at a time;
-        then commit (``retain_for``: the class's retention, for stores that expire extents
-        themselves).
-
-        A piece is up to ``STORE_PIECE_BYTES`` of one layer's segments: pieces go to disjoint
-        offsets, so workers seal and write them in parallel (one ``write_at`` each; one worker
-        seals while another waits on its write), no piece waits for another, and a worker's
-        scratch memory stays bounded however long the prefix. The window keeps a large store
-        from queueing all its pieces ahead of concurrent loads on the shared pool.
-        """
-        executor = self._ctx.runtime.seal_executor
-        # Two pieces queued per worker: a worker that finishes one starts the next at once
-        # instead of waiting for this thread to be scheduled and submit it.
-        window = max(self._ctx.runtime.window, 2 * self._ctx.runtime.workers)
-        per_piece = max(1, STORE_PIECE_BYTES // geometry.sealed_bytes)
-        pieces = [
-            (layer, first)
-            for layer in range(geometry.num_layers)
-            for first in range(0, geometry.num_blocks, per_piece)
-        ]
-        with self._ctx.blocks.create() as writer:
-            writer.reserve(geometry.total_bytes)
-            writer.write_at(0, geometry.header())
-            pending: set[Future[None]] = set()
-            try:
-                for layer, first in pieces:
-                    if len(pending) >= window:
-                        done, pending = wait_futures(pending, return_when=FIRST_COMPLETED)
-                        for future in done:
-                            future.result()
-                    pending.add(
-                        executor.submit(
-                            self._seal_and_write,
-                            writer,
-                            geometry,
-                            cipher,
-                            layer,
-                            first,
-                            keys,
-                            positions[first : first + per_piece],
-                            rows[layer],
-                            first_row_block,
-                        )
-                    )
-                for future in wait_futures(pending).done:
-                    future.result()
-            finally:
-                for future in pending:
-                    future.cancel()
-                wait_futures(pending)  # no worker may still write once the writer is aborted
-            return writer.commit(retain_for=retain_for)
 
     def _index_extent(
         self,
