@@ -64,13 +64,18 @@ def _plaintext(rows: list[torch.Tensor], layer: int, position: int) -> bytes:
 
 
 def _seal(
-    store: LocalBlockStore, rows: list[torch.Tensor], executor: Any, *, workers: int = 2
+    store: LocalBlockStore,
+    rows: list[torch.Tensor],
+    executor: Any,
+    *,
+    workers: int = 2,
+    keys: list[BlockKey] | None = None,
 ) -> str:
     return sealing.seal_extent(
         store,
         _geometry(),
         _cipher(),
-        keys=_keys(),
+        keys=_keys() if keys is None else keys,
         positions=POSITIONS,
         rows=rows,
         first_row_block=FIRST_ROW_BLOCK,
@@ -174,19 +179,7 @@ def test_a_failed_seal_leaves_nothing_behind(tmp_path: Path) -> None:
     keys = _keys()
     keys[POSITIONS[-1]] = BlockKey(b"short")
     with ThreadPoolExecutor(2) as executor, pytest.raises(ValueError, match="block key"):
-        sealing.seal_extent(
-            store,
-            _geometry(),
-            _cipher(),
-            keys=keys,
-            positions=POSITIONS,
-            rows=_rows(),
-            first_row_block=FIRST_ROW_BLOCK,
-            executor=executor,
-            workers=2,
-            window=1,
-            retain_for=60.0,
-        )
+        _seal(store, _rows(), executor, keys=keys)
     assert list(store.list()) == []
     assert temporaries(store) == 0
 
