@@ -46,7 +46,7 @@ def test_import_contracts_hold_and_a_hidden_upward_import_breaks_them(tmp_path: 
     _assemble(kept)
     result = _lint(kept)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
 
     broken = tmp_path / "broken"
     service = _assemble(broken) / "services" / "gc.py"
