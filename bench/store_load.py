@@ -81,10 +81,10 @@ from _common import (
     GB,
     MB,
     Result,
-    format_ms_row,
+    format_ratios,
+    format_stats_table,
     format_table,
     machine_info,
-    plot_results,
     preadv_full,
     print_kv,
     publish,
@@ -93,6 +93,7 @@ from _common import (
     stopwatch,
     write_full,
 )
+from _plots import plot_results
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -866,11 +867,9 @@ def print_store_report(
             tokens = tokens_label((i + 1) * long_run.step)
             print(f"{i + 1:>4}  {tokens:>12}  {lo:>10.3f} / {mid:>6.3f} / {hi:>6.3f} (min/med/max)")
     rows = store_ratios(runs, long_run)
-    name_w = max(len(name) for name, _, _ in rows) if rows else 0
     print()
     print("Store ratios of medians (same run)")
-    for name, value, note in rows:
-        print(f"  {name:<{name_w}}  {value:>6.3f}  {note}")
+    print(format_ratios(rows))
     return rows
 
 
@@ -924,17 +923,13 @@ def print_report(
     print(f"Results ({reps} repetitions each; GB/s of plaintext, 1 GB = 1e9 B)")
     print(format_table(results))
     if tkv is not None:
-        name_w = max(len("metric"), len("tenantkv load: time to first layer"))
+        ttfl = [s * 1e3 for s in tkv.first_layer_seconds]
         print()
-        print(f"{'metric':<{name_w}}  {'min ms':>8}  {'median ms':>10}  {'max ms':>8}")
-        print("-" * (name_w + 32))
-        print(format_ms_row("tenantkv load: time to first layer", tkv.first_layer_seconds, name_w))
+        print(format_stats_table([("tenantkv load: time to first layer", ttfl, "")], "ms"))
     rows = ratios(results, tkv, threads)
-    name_w = max(len(name) for name, _, _ in rows)
     print()
     print("Ratios of medians (same run)")
-    for name, value, note in rows:
-        print(f"  {name:<{name_w}}  {value:>6.3f}  {note}")
+    print(format_ratios(rows))
     return rows
 
 

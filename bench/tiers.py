@@ -43,7 +43,8 @@ from typing import Any
 
 import redis
 import torch
-from _common import Result, format_table, machine_info, plot_results, print_kv, repeat, stopwatch
+from _common import Result, format_table, machine_info, print_kv, repeat, stopwatch
+from _plots import plot_results
 from store_load import DTYPE, KV_LORA_RANK, ROPE_DIM, VALUES_PER_TOKEN, VOCAB_SIZE
 
 import tenantkv
