@@ -55,7 +55,8 @@ for p in (str(PEERS_DIR), str(PEERS_DIR.parent)):
 import report  # noqa: E402
 import systems as S  # noqa: E402
 from _common import GB, machine_info  # noqa: E402
-from store_load import VALUES_PER_TOKEN, VOCAB_SIZE, SegmentCipher, Shape  # noqa: E402
+from _fixtures import VALUES_PER_TOKEN, VOCAB_SIZE  # noqa: E402
+from store_load import SegmentCipher, Shape  # noqa: E402
 
 LAYERS = 61
 DEFAULT_TOKENS = (8192, 32768)

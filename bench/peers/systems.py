@@ -34,14 +34,8 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 from _common import preadv_full, pwrite_full  # noqa: E402
-from store_load import (  # noqa: E402
-    DTYPE,
-    KV_LORA_RANK,
-    ROPE_DIM,
-    SegmentCipher,
-    Shape,
-    split,
-)
+from _fixtures import DTYPE, KV_LORA_RANK, ROPE_DIM  # noqa: E402
+from store_load import SegmentCipher, Shape, split  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
