@@ -352,7 +352,7 @@ def format_stats_table(
 ) -> str:
     """A fixed-width table: one row per (name, values, note) with min / median / max of values."""
     name_w = max(len(label), *(len(name) for name, _, _ in rows))
-    cols = [f"min {unit}", f"median {unit}", f"max {unit}"]
+    cols = [f"{stat} {unit}".rstrip() for stat in ("min", "median", "max")]
     col_w = max(9, digits + 7, *(len(c) for c in cols))
     header = f"{label:<{name_w}}  " + "  ".join(f"{c:>{col_w}}" for c in cols)
     if note_header:

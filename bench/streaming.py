@@ -641,6 +641,15 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
     x = list(range(len(sizes)))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.8))
 
+    def finish(ax: Any, headroom: float, ylabel: str, panel: str, legend_at: str) -> None:
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylim(0, headroom * ax.get_ylim()[1])  # room for the labels and the legend
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel, fontsize=10)
+        ax.legend(fontsize=7, loc=legend_at)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+
     # (a) throughput
     ax = axes[0]
     series = [
@@ -674,13 +683,9 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
                 ha="center",
                 fontsize=7,
             )
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylim(0, 1.2 * ax.get_ylim()[1])  # room for the labels and the legend
-    ax.set_ylabel("GB/s (plaintext); median, whiskers = min/max")
-    ax.set_title("load throughput", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    finish(
+        ax, 1.2, "GB/s (plaintext); median, whiskers = min/max", "load throughput", "upper right"
+    )
 
     # (b) time to first layer
     ax = axes[1]
@@ -723,13 +728,8 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
         linewidth=1,
         label=f"{TTFL_ABS_TARGET_MS:g} ms target",
     )
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylim(0, 1.2 * ax.get_ylim()[1])
-    ax.set_ylabel("ms from ns.load() to layer 0; median, whiskers = min/max")
-    ax.set_title("time to first layer", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    ylabel = "ms from ns.load() to layer 0; median, whiskers = min/max"
+    finish(ax, 1.2, ylabel, "time to first layer", "upper left")
 
     # (c) RSS growth
     ax = axes[2]
@@ -766,13 +766,8 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
         zorder=3,
         label=f"bound: ring + {IN_FLIGHT_LAYERS} layers + {RSS_SLACK_BYTES // MiB} MiB",
     )
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylim(0, 1.3 * ax.get_ylim()[1])
-    ax.set_ylabel("peak RSS growth during one load (MiB)")
-    ax.set_title("peak RSS growth vs prefix size (fresh subprocess)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    title_c = "peak RSS growth vs prefix size (fresh subprocess)"
+    finish(ax, 1.3, "peak RSS growth during one load (MiB)", title_c, "upper left")
 
     fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
