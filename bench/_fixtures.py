@@ -8,8 +8,10 @@ peer benchmark's venv) can import this module without it.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import pickle
 import random
 import secrets
 import sys
@@ -116,6 +118,19 @@ def random_layers(layout: Any, tokens: int, generator: torch.Generator | int) ->
             v = torch.randn(*shape, generator=generator).to(layout.dtype)
             layers.append((k, v))
     return layers
+
+
+def vllm_style_chain(
+    tokens: Sequence[int], block: int, parent: bytes = b"\0" * 32, protocol: int | None = None
+) -> list[bytes]:
+    """vLLM's chained prefix-block hash (``hash_block_tokens`` with ``sha256``): per whole
+    block, sha256 over the pickle of (parent hash, the block's token ids, no extra keys)."""
+    keys = []
+    for start in range(0, len(tokens) // block * block, block):
+        data = pickle.dumps((parent, tuple(tokens[start : start + block]), None), protocol)
+        parent = hashlib.sha256(data).digest()
+        keys.append(parent)
+    return keys
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

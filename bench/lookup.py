@@ -40,7 +40,6 @@ Run:  .venv/bin/python bench/lookup.py [--reps 30] [--tokens 131072] [--skip-pos
 from __future__ import annotations
 
 import hashlib
-import pickle
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -51,7 +50,14 @@ import numpy as np
 import torch
 from _cli import add_postgres, bench_parser, write_outputs
 from _common import format_stats_table, print_machine, round_robin_calls
-from _fixtures import DTYPE, lookup_layout, open_cache, postgres_schema, tenant_namespace
+from _fixtures import (
+    DTYPE,
+    lookup_layout,
+    open_cache,
+    postgres_schema,
+    tenant_namespace,
+    vllm_style_chain,
+)
 from _plots import median_bars, pyplot, save_figure
 
 from tenantkv.index import blocks
@@ -63,16 +69,6 @@ def sha256_chain(data: bytes, step: int) -> list[bytes]:
     keys = []
     for start in range(0, len(data) // step * step, step):
         previous = hashlib.sha256(previous + data[start : start + step]).digest()
-        keys.append(previous)
-    return keys
-
-
-def vllm_style_chain(tokens: list[int], block_tokens: int) -> list[bytes]:
-    previous = b"\0" * 32
-    keys = []
-    for start in range(0, len(tokens) // block_tokens * block_tokens, block_tokens):
-        block = tuple(tokens[start : start + block_tokens])
-        previous = hashlib.sha256(pickle.dumps((previous, block, None))).digest()
         keys.append(previous)
     return keys
 
