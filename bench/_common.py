@@ -1,5 +1,7 @@
-"""Shared helpers for the tenantkv benchmarks: machine description, timing,
-full-length positional I/O, result statistics, a fixed-width table and a plot.
+"""Shared helpers for the tenantkv benchmarks: machine description, timing (one method, or
+several round-robin), full-length positional I/O, result statistics and fixed-width tables.
+Plots are in ``_plots.py``, the command line in ``_cli.py``, the data and caches in
+``_fixtures.py``.
 
 Throughput is always plaintext bytes / second with 1 GB = 1e9 bytes.
 """
@@ -12,11 +14,10 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 try:
     import psutil  # type: ignore[import-untyped]
@@ -77,7 +78,7 @@ def _load_average() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min; other load skews multi-thread results)"
 
 
-def machine_info(data_dir: str) -> dict[str, str]:
+def machine_info(data_dir: str | Path) -> dict[str, str]:
     """What the numbers depend on: CPU, cores, library versions, filesystem."""
     cpu = _cpuinfo_field("model name") or platform.processor() or platform.machine()
     flags = set((_cpuinfo_field("flags") or "").split())
@@ -131,6 +132,13 @@ def print_kv(title: str, items: dict[str, str]) -> None:
     print()
 
 
+def print_machine(data_dir: str | Path, **extra: str) -> dict[str, str]:
+    """Print what the numbers depend on (:func:`machine_info`, plus ``extra``); return it."""
+    info = machine_info(str(data_dir)) | extra
+    print_kv("Machine", info)
+    return info
+
+
 # --------------------------------------------------------------------------- #
 # Timing
 # --------------------------------------------------------------------------- #
@@ -171,6 +179,61 @@ def repeat(
             gc.enable()
         if after is not None:
             after(rep)
+    return seconds
+
+
+Hook = Callable[[int], None]
+
+
+def round_robin(
+    measures: Mapping[str, Callable[[int], float]],
+    reps: int,
+    *,
+    before: Mapping[str, Hook | None] | None = None,
+    after: Mapping[str, Hook | None] | None = None,
+) -> dict[str, list[float]]:
+    """``reps`` rounds, each measuring every method once in turn (:func:`repeat` of one, with
+    the method's ``before`` / ``after`` hooks), so that drifting load on the machine falls on
+    all of them alike; the seconds of each method, by name."""
+    seconds: dict[str, list[float]] = {name: [] for name in measures}
+    for _round in range(reps):
+        for name, measure in measures.items():
+            seconds[name] += repeat(
+                measure,
+                1,
+                before=(before or {}).get(name),
+                after=(after or {}).get(name),
+            )
+    return seconds
+
+
+def round_robin_calls(
+    calls: Mapping[str, Callable[[], object]],
+    reps: int,
+    *,
+    setup: Mapping[str, Callable[[], None]] | None = None,
+    freeze: bool = False,
+) -> dict[str, list[float]]:
+    """``reps`` rounds, each timing every call once in turn (``setup[name]`` runs untimed
+    before its call); the seconds of each call, by name. The garbage collector stays on;
+    with ``freeze`` every object made so far is moved out of its reach first
+    (``gc.freeze()``), so that a collection triggered inside a timed call walks only new
+    objects, as in a long-running server that freezes after start-up."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        for _round in range(reps):
+            for name, call in calls.items():
+                if setup is not None and name in setup:
+                    setup[name]()
+                started = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - started)
+    finally:
+        if freeze:
+            gc.unfreeze()
     return seconds
 
 
@@ -270,88 +333,13 @@ def format_table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def format_ms_row(name: str, seconds: Sequence[float], name_w: int) -> str:
-    ms = [s * 1e3 for s in seconds]
-    return f"{name:<{name_w}}  {min(ms):>8.2f}  {statistics.median(ms):>10.2f}  {max(ms):>8.2f}"
-
-
-_COLOURS = {"raw": "#8c8c8c", "aes-gcm": "#1f77b4", "tenantkv": "#ff7f0e"}
-
-
-def plot_results(results: Sequence[Result], path: Path, title: str) -> None:
-    """Bar chart of median GB/s with min/max error bars, one bar per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r.name if r.threads is None else f"{r.name}\n({r.threads} thr)" for r in results]
-    med = [r.median_gbps for r in results]
-    err = [
-        [m - r.min_gbps for m, r in zip(med, results, strict=True)],
-        [r.max_gbps - m for m, r in zip(med, results, strict=True)],
-    ]
-    colours = [_COLOURS.get(r.group, "#2ca02c") for r in results]
-
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.35 * len(results)), 5.5))
-    bars = ax.bar(range(len(results)), med, yerr=err, capsize=5, color=colours, edgecolor="black")
-    for bar, value, r in zip(bars, med, results, strict=True):
-        ax.annotate(  # the median, written just above the max whisker
-            f"{value:.2f}",
-            (bar.get_x() + bar.get_width() / 2, r.max_gbps),
-            xytext=(0, 4),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    ax.set_xticks(range(len(results)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(0, 1.1 * max(r.max_gbps for r in results))  # room for the labels
-    ax.set_ylabel("GB/s (plaintext, 1 GB = 1e9 B); median, bars = min/max")
-    ax.set_title(title, fontsize=9)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # --------------------------------------------------------------------------- #
-# Generic min / median / max tables (added for streaming.py)
+# Generic min / median / max tables and ratios
 # --------------------------------------------------------------------------- #
 
 
 def min_med_max(values: Sequence[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
-
-
-def median_bars(
-    ax: Any,
-    positions: Sequence[float],
-    samples: Sequence[Sequence[float]],
-    width: float,
-    *,
-    label: str,
-    color: str | None = None,
-) -> None:
-    """One bar per sample at its median, with whiskers to its min and max (a grouped bar
-    chart's series: one call per series, shifted by ``width``)."""
-    medians = [statistics.median(values) for values in samples]
-    errors = [
-        [median - min(values) for median, values in zip(medians, samples, strict=True)],
-        [max(values) - median for median, values in zip(medians, samples, strict=True)],
-    ]
-    ax.bar(
-        positions,
-        medians,
-        width,
-        yerr=errors,
-        capsize=3,
-        label=label,
-        color=color,
-        edgecolor="black",
-    )
 
 
 def format_stats_table(
@@ -364,7 +352,7 @@ def format_stats_table(
 ) -> str:
     """A fixed-width table: one row per (name, values, note) with min / median / max of values."""
     name_w = max(len(label), *(len(name) for name, _, _ in rows))
-    cols = [f"min {unit}", f"median {unit}", f"max {unit}"]
+    cols = [f"{stat} {unit}".rstrip() for stat in ("min", "median", "max")]
     col_w = max(9, digits + 7, *(len(c) for c in cols))
     header = f"{label:<{name_w}}  " + "  ".join(f"{c:>{col_w}}" for c in cols)
     if note_header:
@@ -377,24 +365,15 @@ def format_stats_table(
     return "\n".join(lines)
 
 
-def finish_ab(
-    heading: str,
-    verdicts: dict[str, dict[str, float]],
-    out: Path,
-    name: str,
-    plot: Callable[[Path], None],
-    results: Any,
-) -> None:
-    """The end of an A/B benchmark: print each label's ratios of medians under ``heading``,
-    draw ``out/<name>.png`` with ``plot`` and write ``out/<name>.json``."""
-    import json
-
-    print(f"\n{heading}")
-    for label, ratios in verdicts.items():
-        print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    out.mkdir(parents=True, exist_ok=True)
-    plot(out / f"{name}.png")
-    (out / f"{name}.json").write_text(
-        json.dumps({"results": results, "ratios": verdicts}, indent=1)
+def format_ratios(rows: Sequence[tuple[str, float, str]]) -> str:
+    """Indented ``name  value  note`` lines (a NaN value shows as ``-``)."""
+    name_w = max((len(name) for name, _, _ in rows), default=0)
+    return "\n".join(
+        f"  {name:<{name_w}}  {'     -' if value != value else f'{value:>6.3f}'}  {note}"
+        for name, value, note in rows
     )
-    print(f"\nwrote {out / name}.png and {name}.json")
+
+
+def tokens_label(tokens: int) -> str:
+    """``8K`` for 8,192 tokens; the number where it is not whole thousands of 1,024."""
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)

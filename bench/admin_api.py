@@ -16,7 +16,6 @@ import argparse
 import random
 import socket
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from _common import format_stats_table, machine_info, print_kv
+from _cli import bench_parser
+from _common import format_stats_table, print_kv, print_machine
+from _plots import median_bars, pyplot, save_figure
 
 TENANTS = ("acme", "globex", "initech", "umbrella")
 MiB = 2**20
@@ -230,33 +231,16 @@ def run_phase(
 
 
 def plot(mixed: list[Phase], health: list[Phase], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [(k, mixed) for k, _ in MIX] + [("healthz only (baseline)", health)]
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig, ax = pyplot().subplots(figsize=(10, 5))
     width = 0.8 / len(PERCENTILES)
     for j, p in enumerate(PERCENTILES):
-        key = "GET /healthz"
-        meds = [
-            statistics.median(ph.percentile(key if phases is health else kind, p) for ph in phases)
-            * 1e3
+        samples = [
+            [ph.percentile("GET /healthz" if phases is health else kind, p) * 1e3 for ph in phases]
             for kind, phases in rows
         ]
-        lows = [
-            meds[i]
-            - min(ph.percentile(key if phases is health else kind, p) for ph in phases) * 1e3
-            for i, (kind, phases) in enumerate(rows)
-        ]
-        highs = [
-            max(ph.percentile(key if phases is health else kind, p) for ph in phases) * 1e3
-            - meds[i]
-            for i, (kind, phases) in enumerate(rows)
-        ]
         xs = [i + (j - (len(PERCENTILES) - 1) / 2) * width for i in range(len(rows))]
-        ax.bar(xs, meds, width, yerr=[lows, highs], capsize=2, label=f"p{p}")
+        median_bars(ax, xs, samples, width, capsize=2, edgecolor=None, label=f"p{p}")
     ax.set_xticks(range(len(rows)), [k for k, _ in rows], rotation=25, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("latency, ms (median over reps; whiskers min/max)")
@@ -264,23 +248,17 @@ def plot(mixed: list[Phase], health: list[Phase], path: Path, title: str) -> Non
     ax.legend()
     ax.grid(axis="y", alpha=0.3, which="both")
     ax.set_axisbelow(True)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, reps=3)
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of each phase")
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument(
         "--max-requests", type=int, default=1_000_000, help="cap on requests per phase"
     )
     parser.add_argument("--warmup", type=float, default=1.0, help="untimed mixed phase, seconds")
-    parser.add_argument("--dir", default=None, help="parent of the temporary cache root")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--serve", metavar="ROOT", help=argparse.SUPPRESS)  # internal
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -291,11 +269,10 @@ def main() -> int:
     health_mix = (("GET /healthz", 100),)
     with tempfile.TemporaryDirectory(prefix="tkv-admin-bench-", dir=args.dir) as tmp:
         root = str(Path(tmp) / "cache")
-        info = machine_info(tmp)
+        info = print_machine(tmp)
         token, db = prepare(root)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        print_kv("machine", info)
         print_kv("database", db)
         print(
             f"server: uvicorn subprocess on {base} (1 worker); {args.clients} client threads, "
@@ -373,8 +350,7 @@ def main() -> int:
         for sample in ph.error_samples:
             print(f"  e.g. {sample}")
 
-    out = Path(args.out)
-    png = out / "admin_api.png"
+    png = args.out / "admin_api.png"
     plot(
         mixed,
         health,

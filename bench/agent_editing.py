@@ -32,9 +32,7 @@ Run:  .venv/bin/python bench/agent_editing.py [--turns 4,8] [--tool-tokens 128,5
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -45,7 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import format_stats_table, machine_info, print_kv
+from _cli import bench_parser, int_list, write_outputs
+from _common import format_stats_table, print_machine
+from _fixtures import random_llama
+from _plots import median_bars, pyplot, save_figure
 
 import tenantkv
 from tenantkv.demo.model import FAST, build_model
@@ -187,23 +188,15 @@ def _new_drops(done: EditScript, wanted: EditScript) -> EditScript:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(results)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = pyplot().subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(STRATEGIES)
     for index, name in enumerate(STRATEGIES):
         xs = [i + (index - 1) * width for i in range(len(cases))]
         recomputed = [sum(results[c]["counts"][name]["recomputed"]) for c in cases]
         axes[0].bar(xs, recomputed, width, label=name)
-        medians = [statistics.median(results[c]["seconds"][name]) * 1e3 for c in cases]
-        pairs = list(zip(medians, cases, strict=True))
-        lows = [m - min(results[c]["seconds"][name]) * 1e3 for m, c in pairs]
-        highs = [max(results[c]["seconds"][name]) * 1e3 - m for m, c in pairs]
-        axes[1].bar(xs, medians, width, yerr=[lows, highs], capsize=3, label=name)
+        samples = [[s * 1e3 for s in results[c]["seconds"][name]] for c in cases]
+        median_bars(axes[1], xs, samples, width, edgecolor=None, label=name)
     labels = ("tokens recomputed per session", "ms per session (median)")
     for ax, label in zip(axes, labels, strict=True):
         ticks = [
@@ -213,40 +206,29 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle("agent sessions: keep vs trim+recompute vs drop+repos (tiny models, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _tiny_llama() -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=4096,
+    return random_llama(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=16_384,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    ).eval()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--turns", default="4,8")
-    parser.add_argument("--tool-tokens", default="128,512")
+    parser = bench_parser(__doc__, reps=3, data_dir=False)
+    parser.add_argument("--turns", type=int_list, default="4,8")
+    parser.add_argument("--tool-tokens", type=int_list, default="128,512")
     parser.add_argument("--keep-turns", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (shared machine)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print_kv("machine", machine_info(tempfile.gettempdir()))
+    print_machine(tempfile.gettempdir())
     policy = DropOldToolOutputs(keep_turns=args.keep_turns)
     models = {"deepseek-v3-mla": build_model(FAST), "llama-gqa": _tiny_llama()}
     results: dict[str, Any] = {}
@@ -254,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         kv.create_tenant("bench")
         for model_name, model in models.items():
             prefixes = PrefixCache(kv, "bench", model)
-            for turns in [int(t) for t in args.turns.split(",")]:
-                for tool in [int(t) for t in args.tool_tokens.split(",")]:
+            for turns in args.turns:
+                for tool in args.tool_tokens:
                     session = transcript(turns, tool)
                     counts = count_tokens(session, policy)
                     seconds: dict[str, list[float]] = {name: [] for name in STRATEGIES}
@@ -273,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                         "seconds": seconds,
                     }
                     _report(case, counts, seconds)
-    plot(results, out / "agent_editing.png")
-    (out / "agent_editing.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    print(f"wrote {out / 'agent_editing.png'} and {out / 'agent_editing.json'}")
+    write_outputs(args.out, "agent_editing", results, lambda png: plot(results, png), indent=1)
     return 0
 
 

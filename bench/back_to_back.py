@@ -23,7 +23,6 @@ Run:  .venv/bin/python bench/back_to_back.py [--tokens 8192,131072] [--layers 61
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -32,19 +31,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import finish_ab, format_stats_table, machine_info, median_bars, print_kv
+from _cli import bench_parser, block_sizes, finish_ab, int_list
+from _common import format_stats_table, print_machine, tokens_label
+from _fixtures import (
+    VALUES_PER_TOKEN,
+    deepseek_layout,
+    random_layers,
+    tenant_namespace,
+    timed_load,
+    torch_tokens,
+)
+from _plots import median_bars, pyplot, save_figure
 
 import tenantkv
 
-HERE = Path(__file__).resolve().parent
 STEP_TOKENS = 16_384  # tokens per store: a conversation's turns
-WIDTH = 512 + 64
 BASELINE = "bookkeeping at once (before)"
 HELD = "bookkeeping after first layers"
-
-
-def size_label(tokens: int) -> str:
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def as_load_pool(runtime: Any) -> Callable[[], None]:
@@ -57,58 +60,43 @@ def as_load_pool(runtime: Any) -> Callable[[], None]:
     return lambda: runtime.__dict__.pop("submit_background", None)
 
 
-def timed_load(ns: Any, tokens: list[int], out: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(seconds to the stream, to the first layer, to the last) of one load."""
-    t0 = time.perf_counter()
-    first = 0.0
-    with ns.load(tokens, out=out) as stream:
-        opened = time.perf_counter()
-        for index, _layer in stream:
-            if index == 0:
-                first = time.perf_counter()
-    return opened - t0, first - t0, time.perf_counter() - t0
-
-
 def measure(root: Path, num_tokens: int, layers: int, rounds: int, loads: int) -> dict[str, Any]:
-    layout = tenantkv.KVLayout.mla(
-        num_layers=layers, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16
-    )
+    layout = deepseek_layout(layers)
     generator = torch.Generator().manual_seed(num_tokens)
-    tokens = torch.randint(0, 50_000, (num_tokens,), generator=generator).tolist()
+    tokens = torch_tokens(num_tokens, generator)
     timings: dict[str, dict[str, list[float]]] = {
         case: {"stream": [], "first layer": [], "load": []} for case in (BASELINE, HELD)
     }
     with tenantkv.open(root) as kv:
-        kv.create_tenant("bench", quota_bytes=2 * num_tokens * layers * WIDTH * 2 + 2**30)
-        ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+        quota = 2 * num_tokens * layers * VALUES_PER_TOKEN * 2 + 2**30
+        ns = tenant_namespace(kv, "bench", layout, quota_bytes=quota)
         for start in range(0, num_tokens, STEP_TOKENS):
             end = min(start + STEP_TOKENS, num_tokens)
-            data = [torch.randn(end - start, WIDTH, generator=generator) for _ in range(layers)]
-            ns.store(tokens[:end], [d.to(torch.bfloat16) for d in data], start=start)
-        out = [torch.zeros(num_tokens, WIDTH, dtype=torch.bfloat16) for _ in range(layers)]
+            ns.store(tokens[:end], random_layers(layout, end - start, generator), start=start)
+        out = [torch.zeros(num_tokens, VALUES_PER_TOKEN, dtype=layout.dtype) for _ in range(layers)]
         runtime = kv.context.runtime
         for round_index in range(rounds):
             cases = [BASELINE, HELD] if round_index % 2 == 0 else [HELD, BASELINE]
             for case in cases:
                 undo = as_load_pool(runtime) if case == BASELINE else (lambda: None)
                 try:
-                    timed_load(ns, tokens, out)  # untimed: the next follows its own case
+                    timed_load(ns, tokens, out=out)  # untimed: the next follows its own case
                     for _ in range(loads):
-                        stream, first, total = timed_load(ns, tokens, out)
-                        timings[case]["stream"].append(stream)
-                        timings[case]["first layer"].append(first)
-                        timings[case]["load"].append(total)
+                        times = timed_load(ns, tokens, out=out)
+                        timings[case]["stream"].append(times.stream)
+                        timings[case]["first layer"].append(times.first)
+                        timings[case]["load"].append(times.total)
                 finally:
                     undo()
                 time.sleep(0.2)  # the case's last bookkeeping runs before the next case
-            print(f"  [{size_label(num_tokens)}] round {round_index + 1}/{rounds}", flush=True)
+            print(f"  [{tokens_label(num_tokens)}] round {round_index + 1}/{rounds}", flush=True)
     return {"tokens": num_tokens, "layers": layers, "timings": timings}
 
 
 def report(results: list[dict[str, Any]]) -> dict[str, Any]:
     verdicts: dict[str, Any] = {}
     for result in results:
-        label = f"{size_label(result['tokens'])} tokens x {result['layers']} layers"
+        label = f"{tokens_label(result['tokens'])} tokens x {result['layers']} layers"
         rows = []
         for case, parts in result["timings"].items():
             for part, values in parts.items():
@@ -126,11 +114,7 @@ def report(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 5), squeeze=False)
     for ax, result in zip(axes[0], results, strict=True):
         parts = ["stream", "first layer"]
@@ -147,29 +131,23 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             )
         ax.set_xticks([x + width / 2 for x in range(len(parts))], parts)
         ax.set_ylabel("ms from the call (median, min-max)")
-        ax.set_title(f"{size_label(result['tokens'])} tokens, loads back to back")
+        ax.set_title(f"{tokens_label(result['tokens'])} tokens, loads back to back")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="8192,131072")
-    parser.add_argument("--layers", default="61,16", help="layers per size (one per --tokens)")
+    parser = bench_parser(__doc__)
+    parser.add_argument("--tokens", type=block_sizes, default="8192,131072")
+    parser.add_argument("--layers", type=int_list, default="61,16", help="one per --tokens size")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--loads", type=int, default=10, help="timed loads per case per round")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--dir", type=Path, default=None, help="where the caches go (temporary)")
     args = parser.parse_args()
-    sizes = [int(t) for t in args.tokens.split(",")]
-    layers = [int(n) for n in args.layers.split(",")]
-    if len(layers) != len(sizes):
+    if len(args.layers) != len(args.tokens):
         parser.error("--layers takes one number per --tokens size")
-    print_kv("Machine", machine_info(str(args.dir or tempfile.gettempdir())))
+    print_machine(args.dir)
     results = []
-    for num_tokens, num_layers in zip(sizes, layers, strict=True):
+    for num_tokens, num_layers in zip(args.tokens, args.layers, strict=True):
         with tempfile.TemporaryDirectory(prefix="tkv-b2b-", dir=args.dir) as root:
             results.append(measure(Path(root), num_tokens, num_layers, args.rounds, args.loads))
     verdicts = report(results)

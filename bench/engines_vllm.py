@@ -45,12 +45,9 @@ ENGINES = ("none", "example", "tenantkv", "tenantkv-buffered")
 
 
 def write_model(directory: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _fixtures import random_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
+    model = random_llama(
         hidden_size=512,
         intermediate_size=1408,
         num_hidden_layers=8,
@@ -59,7 +56,7 @@ def write_model(directory: Path) -> None:
         max_position_embeddings=4096,
         torch_dtype="float32",
     )
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True)
 
 
 def worker(spec_path: str) -> None:
@@ -166,12 +163,9 @@ def run_engine(engine: str, model: Path, work: Path, lengths: list[int], reps: i
 
 
 def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
-    import matplotlib
+    from _plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for engine in ENGINES:
         for kind, style in (("miss", "--"), ("hit", "-")):
             if engine == "none" and kind == "hit":
@@ -182,29 +176,24 @@ def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
     ax.set_ylabel("TTFT, median ms")
     ax.set_title("vLLM (CPU) time to first token, by KV connector")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default="256,1024,2048")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    from _cli import bench_parser, int_list, write_outputs
+    from _common import format_stats_table, print_machine
+
+    parser = bench_parser(__doc__, reps=3, data_dir=False)
+    parser.add_argument("--lengths", type=int_list, default="256,1024,2048")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _common import format_stats_table, machine_info, print_kv
-
-    lengths = [int(n) for n in args.lengths.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    lengths = args.lengths
     with tempfile.TemporaryDirectory(prefix="tkv-engines-bench-") as tmp:
         work = Path(tmp)
-        print_kv("machine", machine_info(tmp))
+        print_machine(tmp)
         model = work / "model"
         write_model(model)
         results = {e: run_engine(e, model, work, lengths, args.reps) for e in ENGINES}
@@ -239,9 +228,9 @@ def main() -> None:
             "miss+hit: buffered / example": turn("tenantkv-buffered") / turn("example"),
         }
         print(f"  {n:>5} tok: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    plot(results, lengths, out / "engines_vllm.png")
-    (out / "engines_vllm.json").write_text(json.dumps(results, indent=1))
-    print(f"\nplot: {out / 'engines_vllm.png'}")
+    write_outputs(
+        args.out, "engines_vllm", results, lambda png: plot(results, lengths, png), indent=1
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -40,58 +38,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from _common import GB, format_stats_table, machine_info, print_kv
-
-import tenantkv
-from tenantkv import KVLayout
+from _cli import add_postgres, bench_parser, write_outputs
+from _common import GB, format_stats_table, print_machine, round_robin_calls
+from _fixtures import (
+    check_load,
+    deepseek_layout,
+    load_all,
+    lookup_layout,
+    open_cache,
+    postgres_schema,
+    random_layers,
+    tenant_namespace,
+    torch_tokens,
+)
+from _plots import median_bars, pyplot, save_figure
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_POSTGRES = os.environ.get(
-    "TENANTKV_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-LOOKUP_LAYOUT = KVLayout.mla(num_layers=1, kv_lora_rank=32, rope_dim=8, dtype=torch.bfloat16)
-
-
-def deepseek_layout(layers: int) -> KVLayout:
-    return KVLayout.mla(num_layers=layers, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
-
-
-def tokens_of(num_tokens: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 50_000, (num_tokens,), generator=generator).tolist()
-
-
-def layers_of(layout: KVLayout, num_tokens: int, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    width = layout.kv_lora_rank + layout.rope_dim
-    return [
-        torch.randn(num_tokens, width, generator=generator).to(layout.dtype)
-        for _ in range(layout.num_layers)
-    ]
-
-
-class PostgresSchema:
-    """A schema of its own on the server, for one run; dropped by :meth:`drop`."""
-
-    def __init__(self, base_url: str) -> None:
-        from sqlalchemy import create_engine
-
-        self.base_url = base_url
-        self.name = f"tkv_bench_{secrets.token_hex(4)}"
-        self._engine = create_engine(base_url, pool_size=1, max_overflow=0)
-        with self._engine.begin() as connection:
-            connection.exec_driver_sql(f"CREATE SCHEMA {self.name}")
-
-    @property
-    def url(self) -> str:
-        sep = "&" if "?" in self.base_url else "?"
-        return f"{self.base_url}{sep}options=-csearch_path%3D{self.name}"
-
-    def drop(self) -> None:
-        with self._engine.begin() as connection:
-            connection.exec_driver_sql(f"DROP SCHEMA IF EXISTS {self.name} CASCADE")
-        self._engine.dispose()
 
 
 # --------------------------------------------------------------------------- #
@@ -100,23 +62,16 @@ class PostgresSchema:
 
 
 def measure_lookups(root: Path, database_url: str | None, num_tokens: int, reps: int) -> dict:
-    settings: dict[str, Any] = {"durable": False}
-    if database_url is not None:
-        settings["database_url"] = database_url
-    cached, other = tokens_of(num_tokens, 1), tokens_of(num_tokens, 2)
-    with tenantkv.open(root, **settings) as kv:
-        kv.create_tenant("acme", quota_bytes=2**34)
-        ns = kv.namespace("acme", model="bench", layout=LOOKUP_LAYOUT)
-        stored = ns.store(cached, layers_of(LOOKUP_LAYOUT, num_tokens, 1))
+    layout = lookup_layout()
+    cached, other = torch_tokens(num_tokens, 1), torch_tokens(num_tokens, 2)
+    with open_cache(root, database_url, durable=False) as kv:
+        ns = tenant_namespace(kv, "acme", layout, model="bench", quota_bytes=2**34)
+        stored = ns.store(cached, random_layers(layout, num_tokens, 1))
         assert stored == num_tokens, f"stored {stored} of {num_tokens} tokens"
         assert ns.lookup(cached) == num_tokens and ns.lookup(other) == 0  # checked, untimed
-        timings: dict[str, list[float]] = {"hit": [], "miss": []}
-        for _ in range(reps):  # round-robin: drifting load hits both alike
-            for name, tokens in (("hit", cached), ("miss", other)):
-                start = time.perf_counter()
-                ns.lookup(tokens)
-                timings[name].append(time.perf_counter() - start)
-    return timings
+        # round-robin: drifting load hits both alike
+        calls = {"hit": lambda: ns.lookup(cached), "miss": lambda: ns.lookup(other)}
+        return round_robin_calls(calls, reps)
 
 
 # --------------------------------------------------------------------------- #
@@ -128,24 +83,16 @@ def node_child(root: str, url: str, num_tokens: int, layers: int, reps: int) -> 
     """One node (a process of its own): check one load, say ``ready``, wait for the parent's
     ``go`` line (sent once every node is ready), time ``reps`` loads."""
     layout = deepseek_layout(layers)
-    tokens = tokens_of(num_tokens, 7)
-    with tenantkv.open(Path(root), durable=False, database_url=url) as kv:
+    tokens = torch_tokens(num_tokens, 7)
+    with open_cache(Path(root), url, durable=False) as kv:
         ns = kv.namespace("acme", model="bench", layout=layout)
-        expected = layers_of(layout, num_tokens, 7)
-        with ns.load(tokens) as stream:
-            exact = all(
-                torch.equal(stream.wait_for_layer(i), want) for i, want in enumerate(expected)
-            )
-        assert exact, "a load returned other bytes than were stored"
-        del expected
+        check_load(ns, tokens, random_layers(layout, num_tokens, 7))
         print("ready", flush=True)
         sys.stdin.readline()
         spans: list[tuple[float, float]] = []
         for _ in range(reps):
             start = time.time()
-            with ns.load(tokens) as stream:
-                for _index, _layer in stream:
-                    pass
+            load_all(ns, tokens)
             spans.append((start, time.time()))
     print(json.dumps(spans), flush=True)
 
@@ -196,14 +143,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=20)
+    parser = bench_parser(__doc__, reps=20, layers=61)
     parser.add_argument("--lookup-tokens", type=int, default=131_072)
     parser.add_argument("--load-tokens", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=61)
-    parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
-    parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--out", default=str(HERE / "results"))
+    add_postgres(parser, None)
     parser.add_argument("--skip-lookup", action="store_true")
     parser.add_argument("--skip-nodes", action="store_true")
     parser.add_argument("--node-child", help=argparse.SUPPRESS)
@@ -212,23 +155,20 @@ def main() -> None:
         node_child(*json.loads(args.node_child))
         return
 
-    print_kv("machine", machine_info(args.dir))
+    print_machine(args.dir)
     report: dict[str, Any] = {"args": vars(args)}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tkv-fleet-") as tmp:
         if not args.skip_lookup:
             print(f"1. lookup of a {args.lookup_tokens:,}-token prompt, {args.reps} reps\n")
-            schema = PostgresSchema(args.postgres)
-            try:
+            with postgres_schema(args.postgres) as url:
                 lookups = {
                     "sqlite": measure_lookups(
                         Path(tmp) / "lk-sqlite", None, args.lookup_tokens, args.reps
                     ),
                     "postgresql": measure_lookups(
-                        Path(tmp) / "lk-pg", schema.url, args.lookup_tokens, args.reps
+                        Path(tmp) / "lk-pg", url, args.lookup_tokens, args.reps
                     ),
                 }
-            finally:
-                schema.drop()
             base = statistics.median(lookups["sqlite"]["hit"])
             rows = [
                 (
@@ -253,16 +193,13 @@ def main() -> None:
                 f"= {nbytes / 1e6:.1f} MB per load, {args.reps} loads per node, shared directory "
                 "+ PostgreSQL\n"
             )
-            schema = PostgresSchema(args.postgres)
             root = Path(tmp) / "nodes"
-            try:
-                with tenantkv.open(root, durable=False, database_url=schema.url) as kv:
-                    kv.create_tenant("acme", quota_bytes=2**36)
-                    ns = kv.namespace("acme", model="bench", layout=layout)
-                    ns.store(tokens_of(args.load_tokens, 7), layers_of(layout, args.load_tokens, 7))
-                runs = [run_nodes(root, schema.url, count, args) for count in (1, 2)]
-            finally:
-                schema.drop()
+            with postgres_schema(args.postgres) as url:
+                with open_cache(root, url, durable=False) as kv:
+                    ns = tenant_namespace(kv, "acme", layout, model="bench", quota_bytes=2**36)
+                    tokens = torch_tokens(args.load_tokens, 7)
+                    ns.store(tokens, random_layers(layout, args.load_tokens, 7))
+                runs = [run_nodes(root, url, count, args) for count in (1, 2)]
             rows = []
             for run in runs:
                 lat = run["latencies"]
@@ -287,20 +224,11 @@ def main() -> None:
             print(f"start skew between the nodes: {both['start_skew_s'] * 1e3:.1f} ms")
             report["nodes"] = runs
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "fleet.png")
-    print(f"\nwrote {out / 'fleet.json'} and {out / 'fleet.png'}")
+    write_outputs(args.out, "fleet", report, lambda png: plot(report, png))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Medians with min/max whiskers: lookup ms per index, per-load ms per node count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = []
     if "lookup" in report:
         panels.append(
@@ -325,22 +253,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
         )
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (title, bars) in zip(axes[0], panels, strict=True):
-        medians = [statistics.median(v) for _, v in bars]
-        errors = [
-            [m - min(v) for m, (_, v) in zip(medians, bars, strict=True)],
-            [max(v) - m for m, (_, v) in zip(medians, bars, strict=True)],
-        ]
-        ax.bar(
-            range(len(bars)), medians, yerr=errors, capsize=5, color="#ff7f0e", edgecolor="black"
-        )
+        median_bars(ax, range(len(bars)), [v for _, v in bars], capsize=5, color="#ff7f0e")
         ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

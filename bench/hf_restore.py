@@ -21,9 +21,6 @@ Run:  .venv/bin/python bench/hf_restore.py [--prefix 1024,2048,4096] [--reps 5] 
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -33,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import format_stats_table, machine_info, print_kv
+from _cli import bench_parser, block_sizes, write_outputs
+from _common import format_stats_table, print_machine, round_robin
+from _plots import median_bars, pyplot, save_figure
 
 import tenantkv
 from tenantkv.demo.model import FULL, build_model
@@ -106,60 +105,48 @@ def measure_size(model: Any, prefix: int, reps: int, root: Path) -> dict[str, li
         expected = {name: run(-1)[0] for name, run in runs.items()}  # untimed check + warm-up
         if len(set(expected.values())) != 1:
             raise SystemExit(f"methods disagree on the first token: {expected}")
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
-        for rep in range(reps):
-            for name, run in runs.items():
-                if name == "in-memory cache":
-                    held.append(_copy_cache(model, full, prefix))
-                gc.collect()
-                gc.disable()
-                try:
-                    token, took = run(rep)
-                finally:
-                    gc.enable()
+
+        def timed(name: str) -> Callable[[int], float]:
+            def measure(rep: int) -> float:
+                token, took = runs[name](rep)
                 assert token == expected[name], f"{name} changed its first token"
-                seconds[name].append(took)
+                return took
+
+            return measure
+
+        def hold(_: int) -> None:
+            held.append(_copy_cache(model, full, prefix))
+
+        seconds = round_robin(
+            {name: timed(name) for name in runs}, reps, before={"in-memory cache": hold}
+        )
     return seconds
 
 
 def plot(results: dict[int, dict[str, list[float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = sorted(results)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     width = 0.8 / len(METHODS)
     for index, name in enumerate(METHODS):
-        medians = [statistics.median(results[s][name]) * 1e3 for s in sizes]
-        lows = [m - min(results[s][name]) * 1e3 for m, s in zip(medians, sizes, strict=True)]
-        highs = [max(results[s][name]) * 1e3 - m for m, s in zip(medians, sizes, strict=True)]
+        samples = [[s * 1e3 for s in results[size][name]] for size in sizes]
         xs = [i + (index - (len(METHODS) - 1) / 2) * width for i in range(len(sizes))]
-        ax.bar(xs, medians, width, yerr=[lows, highs], capsize=3, label=name)
+        median_bars(ax, xs, samples, width, edgecolor=None, label=name)
     ax.set_xticks(range(len(sizes)), [f"{s:,} cached\n+{NEW_TOKENS} new" for s in sizes])
     ax.set_ylabel("time to first token (ms, median; whiskers min/max)")
     ax.set_yscale("log")
     ax.set_title("transformers TTFT: miss vs restored prefix (DeepSeek-V3-style, CPU)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefix", default="1024,2048,4096", help="cached prefix sizes")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser = bench_parser(__doc__, reps=5)
+    parser.add_argument(
+        "--prefix", type=block_sizes, default="1024,2048,4096", help="cached prefix sizes"
+    )
     args = parser.parse_args(argv)
-    sizes = [int(size) for size in args.prefix.split(",")]
-    if any(size <= 0 or size % 64 for size in sizes):
-        parser.error("--prefix sizes must be positive multiples of 64")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print_kv("machine", machine_info(args.dir))
+    sizes = args.prefix
+    print_machine(args.dir)
     model = build_model(FULL)
     print(f"model: demo DeepSeek-V3-style, {FULL}, {model.dtype}; {NEW_TOKENS} new tokens\n")
     results: dict[int, dict[str, list[float]]] = {}
@@ -176,11 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{medians[name] / medians['in-memory cache']:.2f}x the in-memory cache"
             )
         print()
-    plot(results, out / "hf_restore.png")
-    (out / "hf_restore.json").write_text(
-        json.dumps({str(k): v for k, v in results.items()}, indent=1), encoding="utf-8"
-    )
-    print(f"wrote {out / 'hf_restore.png'} and {out / 'hf_restore.json'}")
+    data = {str(k): v for k, v in results.items()}
+    write_outputs(args.out, "hf_restore", data, lambda png: plot(results, png), indent=1)
     return 0
 
 

@@ -43,8 +43,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -54,14 +52,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _cli import bench_parser, run_child, write_outputs
+from _common import GB, format_ratios, format_stats_table, print_machine, tokens_label
+from _fixtures import LAYERS, VALUES_PER_TOKEN, deepseek_layout, random_tokens, timed_load
+from _plots import median_bars, pyplot, save_figure
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GB, machine_info, print_kv
-
-LAYERS = 61
-VALUES = 576  # kv_lora_rank 512 + rope 64
-TOKEN_BYTES = VALUES * 2
-VOCAB = 129_280
+TOKEN_BYTES = VALUES_PER_TOKEN * 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -71,15 +67,11 @@ def open_cache(root: Path) -> tuple[Any, Any]:
     kv = tenantkv.open(root)
     if "bench" not in {t.name for t in kv.list_tenants()}:
         kv.create_tenant("bench", quota_bytes=64 << 30)
-    layout = tenantkv.KVLayout.mla(
-        num_layers=LAYERS, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16
-    )
-    return kv, kv.namespace("bench", model="deepseek-v3", layout=layout)
+    return kv, kv.namespace("bench", model="deepseek-v3", layout=deepseek_layout(LAYERS))
 
 
 def prefix_tokens(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(count)]
+    return random_tokens(random.Random(seed), count)
 
 
 class Data:
@@ -88,7 +80,7 @@ class Data:
     def __init__(self, step_tokens: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.base = torch.randint(
-            -(2**15), 2**15, (step_tokens, VALUES), dtype=torch.int16, generator=generator
+            -(2**15), 2**15, (step_tokens, VALUES_PER_TOKEN), dtype=torch.int16, generator=generator
         )
 
     def layer(self, step: int, layer: int, rows: int) -> torch.Tensor:
@@ -124,17 +116,6 @@ def check_load(ns: Any, tokens: list[int], data: Data, step: int) -> None:
                     raise AssertionError(f"layer {layer_index}, step {index}: wrong bytes")
 
 
-def timed_load(ns: Any, tokens: list[int]) -> tuple[float, float]:
-    """(seconds to the first layer, seconds to the last) of one load, layers dropped."""
-    t0 = time.perf_counter()
-    first = 0.0
-    with ns.load(tokens) as stream:
-        for index, _layer in stream:
-            if index == 0:
-                first = time.perf_counter() - t0
-    return first, time.perf_counter() - t0
-
-
 # --------------------------------------------------------------------------- #
 # Peak RSS, in a fresh process per size
 # --------------------------------------------------------------------------- #
@@ -163,7 +144,7 @@ def rss_child(root: str, seed: int, count: int) -> dict[str, float]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    timed_load(ns, tokens)
+    timed_load(ns, tokens)  # layers dropped as they arrive
     done.set()
     sampler.join()
     peak = max(peak, _rss())
@@ -172,15 +153,8 @@ def rss_child(root: str, seed: int, count: int) -> dict[str, float]:
 
 
 def measure_rss(root: Path, seed: int, count: int) -> dict[str, float]:
-    spec = json.dumps({"root": str(root), "seed": seed, "count": count})
-    done = subprocess.run(
-        [sys.executable, __file__, "--rss-child", spec],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    spec = {"root": str(root), "seed": seed, "count": count}
+    return dict(run_child(__file__, "--rss-child", spec))
 
 
 # --------------------------------------------------------------------------- #
@@ -203,7 +177,7 @@ class SizeResult:
 
     @property
     def label(self) -> str:
-        return f"{self.tokens // 1024}K"
+        return tokens_label(self.tokens)
 
     def store_gbps(self) -> list[float]:
         return [b / s / GB for b, s in zip(self.store_bytes, self.store_seconds, strict=True)]
@@ -247,29 +221,31 @@ def prepare(
     return kv, ns, tokens, data
 
 
-def summary(values: Sequence[float]) -> str:
-    return f"{min(values):>9.3f}  {statistics.median(values):>9.3f}  {max(values):>9.3f}"
+def meets(ok: bool, target: str = ">= 0.8") -> str:
+    return f"{'meets' if ok else 'MISSES'} {target}"
 
 
 def report(results: list[SizeResult], step: int) -> dict[str, Any]:
     short, long = results
     print("\nStore (durable, GB/s of plaintext per ns.store call)")
-    print(f"{'size':<22}  {'min':>9}  {'median':>9}  {'max':>9}  overall")
-    for r in results:
-        how = "whole" if r is short else f"{step // 1024}K steps"
-        print(
-            f"{r.label + ' (' + how + ')':<22}  {summary(r.store_gbps())}  "
-            f"{r.store_overall_gbps():.3f}"
+    rows = [
+        (
+            f"{r.label} ({'whole' if r is short else f'{tokens_label(step)} steps'})",
+            r.store_gbps(),
+            f"{r.store_overall_gbps():.3f}",
         )
+        for r in results
+    ]
+    print(format_stats_table(rows, "", label="size", digits=3, note_header="overall"))
     print("\nLoad, fresh tensors dropped as they arrive (GB/s; ms)")
-    print(f"{'size / metric':<22}  {'min':>9}  {'median':>9}  {'max':>9}")
+    rows = []
     for r in results:
-        share = [t / LAYERS * 1e3 for t in r.total]
-        print(f"{r.label + ' load GB/s':<22}  {summary(r.load_gbps())}")
-        print(f"{r.label + ' TTFL ms':<22}  {summary([t * 1e3 for t in r.ttfl])}")
-        print(f"{r.label + ' layer share ms':<22}  {summary(share)}")
+        rows.append((f"{r.label} load GB/s", r.load_gbps(), ""))
+        rows.append((f"{r.label} TTFL ms", [t * 1e3 for t in r.ttfl], ""))
+        rows.append((f"{r.label} layer share ms", [t / LAYERS * 1e3 for t in r.total], ""))
         ratio = [f / (t / LAYERS) for f, t in zip(r.ttfl, r.total, strict=True)]
-        print(f"{r.label + ' TTFL / share':<22}  {summary(ratio)}")
+        rows.append((f"{r.label} TTFL / share", ratio, ""))
+    print(format_stats_table(rows, "", label="size / metric", digits=3))
     print("\nPeak RSS growth of one load (fresh process, sampled every ms)")
     for r in results:
         layer_mib = r.tokens * TOKEN_BYTES / 2**20
@@ -288,27 +264,27 @@ def report(results: list[SizeResult], step: int) -> dict[str, Any]:
     }
     print("\nTargets (medians, same run)")
     print(
-        f"  {long.label} load / {short.label} load     {load_ratio:.3f}  "
-        f"{'meets' if load_ratio >= 0.8 else 'MISSES'} >= 0.8"
-    )
-    print(
-        f"  {long.label} store / {short.label} store   {store_ratio:.3f}  "
-        f"{'meets' if store_ratio >= 0.8 else 'MISSES'} >= 0.8"
-    )
-    print(
-        f"  {long.label} TTFL / layer share    {ttfl_ratio:.3f}  "
-        f"{'meets' if ttfl_ratio <= 1.5 else 'MISSES'} <= 1.5"
+        format_ratios(
+            [
+                (f"{long.label} load / {short.label} load", load_ratio, meets(load_ratio >= 0.8)),
+                (
+                    f"{long.label} store / {short.label} store",
+                    store_ratio,
+                    meets(store_ratio >= 0.8),
+                ),
+                (
+                    f"{long.label} TTFL / layer share",
+                    ttfl_ratio,
+                    meets(ttfl_ratio <= 1.5, "<= 1.5"),
+                ),
+            ]
+        )
     )
     return verdict
 
 
 def plot(results: list[SizeResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    fig, axes = pyplot().subplots(1, 3, figsize=(14, 4.5))
     labels = [r.label for r in results]
     for ax, title, series in (
         (axes[0], "store GB/s (per call)", [r.store_gbps() for r in results]),
@@ -319,34 +295,24 @@ def plot(results: list[SizeResult], path: Path) -> None:
             [[f / (t / LAYERS) for f, t in zip(r.ttfl, r.total, strict=True)] for r in results],
         ),
     ):
-        med = [statistics.median(s) for s in series]
-        err = [
-            [m - min(s) for m, s in zip(med, series, strict=True)],
-            [max(s) - m for m, s in zip(med, series, strict=True)],
-        ]
-        ax.bar(labels, med, yerr=err, capsize=5, color="#ff7f0e", edgecolor="black")
+        median_bars(ax, labels, series, capsize=5, color="#ff7f0e")
         ax.set_title(title)
     axes[2].axhline(1.5, color="red", linestyle="--", linewidth=1)
     fig.suptitle("tenantkv, 61-layer DeepSeek-V3 MLA prefix: short vs long (median, min-max)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, reps=3)
     parser.add_argument("--short", type=int, default=8192)
     parser.add_argument("--long", type=int, default=131_072)
     parser.add_argument("--step", type=int, default=16_384)
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--one-cache",
         action="store_true",
         help="both prefixes in one cache (one layer pool, as a server loading prompts of "
         "several lengths has), instead of a cache per length",
     )
-    parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
@@ -357,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value <= 0 or value % 64:
             parser.error("sizes and the step must be positive multiples of 64")
     workdir = Path(tempfile.mkdtemp(prefix="tenantkv-long-", dir=args.dir))
-    print_kv("Machine", machine_info(str(workdir)))
+    print_machine(workdir)
     results = [SizeResult(args.short), SizeResult(args.long)]
     caches = []
     try:
@@ -382,35 +348,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _rep in range(args.reps):  # alternating sizes, so drifting load hits both
             for result, (_, _, ns, tokens, _) in zip(results, caches, strict=True):
                 gc.collect()
-                first, total = timed_load(ns, tokens)
-                result.ttfl.append(first)
-                result.total.append(total)
+                times = timed_load(ns, tokens)
+                result.ttfl.append(times.first)
+                result.total.append(times.total)
         for _, kv, _, _, _ in caches:
             kv.close()  # once per cache: closing a closed cache does nothing
         for result, (root, _, _, _, _) in zip(results, caches, strict=True):
             result.rss = measure_rss(root, 7 + results.index(result), result.tokens)
         verdict = report(results, args.step)
-        out = Path(args.out)
-        plot(results, out / "long_prefix.png")
-        (out / "long_prefix.json").write_text(
-            json.dumps(
+        data = {
+            "results": [
                 {
-                    "results": [
-                        {
-                            "tokens": r.tokens,
-                            "store_gbps": r.store_gbps(),
-                            "load_gbps": r.load_gbps(),
-                            "ttfl_s": r.ttfl,
-                            "rss": r.rss,
-                        }
-                        for r in results
-                    ],
-                    "targets": verdict,
-                },
-                indent=2,
-            )
-        )
-        print(f"\nplot: {out / 'long_prefix.png'}\njson: {out / 'long_prefix.json'}")
+                    "tokens": r.tokens,
+                    "store_gbps": r.store_gbps(),
+                    "load_gbps": r.load_gbps(),
+                    "ttfl_s": r.ttfl,
+                    "rss": r.rss,
+                }
+                for r in results
+            ],
+            "targets": verdict,
+        }
+        write_outputs(args.out, "long_prefix", data, lambda png: plot(results, png))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -39,28 +39,29 @@ Run:  .venv/bin/python bench/lookup.py [--reps 30] [--tokens 131072] [--skip-pos
 
 from __future__ import annotations
 
-import argparse
-import gc
 import hashlib
-import json
-import pickle
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from _common import format_stats_table, machine_info, print_kv
-from fleet import DEFAULT_POSTGRES, LOOKUP_LAYOUT, PostgresSchema
+from _cli import add_postgres, bench_parser, write_outputs
+from _common import format_stats_table, print_machine, round_robin_calls
+from _fixtures import (
+    DTYPE,
+    lookup_layout,
+    open_cache,
+    postgres_schema,
+    tenant_namespace,
+    vllm_style_chain,
+)
+from _plots import median_bars, pyplot, save_figure
 
-import tenantkv
 from tenantkv.index import blocks
 from tenantkv.prefix import block_keys_python
-
-HERE = Path(__file__).resolve().parent
 
 
 def sha256_chain(data: bytes, step: int) -> list[bytes]:
@@ -72,31 +73,17 @@ def sha256_chain(data: bytes, step: int) -> list[bytes]:
     return keys
 
 
-def vllm_style_chain(tokens: list[int], block_tokens: int) -> list[bytes]:
-    previous = b"\0" * 32
-    keys = []
-    for start in range(0, len(tokens) // block_tokens * block_tokens, block_tokens):
-        block = tuple(tokens[start : start + block_tokens])
-        previous = hashlib.sha256(pickle.dumps((previous, block, None))).digest()
-        keys.append(previous)
-    return keys
-
-
 def measure(root: Path, database_url: str | None, num_tokens: int, reps: int) -> dict[str, Any]:
-    settings: dict[str, Any] = {"durable": False}
-    if database_url is not None:
-        settings["database_url"] = database_url
+    layout = lookup_layout()
     rng = np.random.default_rng(16)
     cached = rng.integers(0, 50_000, num_tokens).astype(np.uint32)
     fresh = rng.integers(0, 50_000, num_tokens).astype(np.uint32)
     half = num_tokens // 2 // 64 * 64
     partial = np.concatenate([cached[:half], fresh[: num_tokens - half]])
     cached_list = cached.tolist()
-    with tenantkv.open(root, **settings) as kv:
-        kv.create_tenant("acme", quota_bytes=2**34)
-        ns = kv.namespace("acme", model="bench", layout=LOOKUP_LAYOUT)
-        width = LOOKUP_LAYOUT.kv_lora_rank + LOOKUP_LAYOUT.rope_dim
-        stored = ns.store(cached, [torch.zeros(num_tokens, width, dtype=LOOKUP_LAYOUT.dtype)])
+    with open_cache(root, database_url, durable=False) as kv:
+        ns = tenant_namespace(kv, "acme", layout, model="bench", quota_bytes=2**34)
+        stored = ns.store(cached, [torch.zeros(num_tokens, layout.values_per_token, dtype=DTYPE)])
         assert stored == num_tokens, f"stored {stored} of {num_tokens} tokens"
         ctx = kv.context
         namespace_id = ns.identity.namespace_id
@@ -143,19 +130,14 @@ def measure(root: Path, database_url: str | None, num_tokens: int, reps: int) ->
             got = run()
             if expected is not None:
                 assert got == expected, f"{name}: {got} != {expected}"
-        timings: dict[str, list[float]] = {name: [] for name in cases}
         # The objects made so far (torch, SQLAlchemy, the prompts) move to the permanent
         # generation: a collection triggered inside a timed call then walks only new objects.
-        gc.collect()
-        gc.freeze()
-        for _ in range(reps):
-            for name, (setup, run, _expected) in cases.items():
-                if setup is not None:
-                    setup()
-                start = time.perf_counter()
-                run()
-                timings[name].append(time.perf_counter() - start)
-        gc.unfreeze()
+        timings = round_robin_calls(
+            {name: run for name, (_setup, run, _expected) in cases.items()},
+            reps,
+            setup={name: setup for name, (setup, _run, _) in cases.items() if setup is not None},
+            freeze=True,
+        )
         held = ctx.lookups.size()
     return {"timings": timings, "held": held}
 
@@ -174,27 +156,23 @@ def report_table(index: str, timings: dict[str, list[float]]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     indexes = list(report["runs"])
     fig, axes = plt.subplots(1, len(indexes), figsize=(7 * len(indexes), 5), squeeze=False)
     for ax, index in zip(axes[0], indexes, strict=True):
         timings = report["runs"][index]["timings"]
         names = list(timings)
-        values = [[s * 1e3 for s in timings[name]] for name in names]
-        medians = [statistics.median(v) for v in values]
-        errors = [
-            [m - min(v) for m, v in zip(medians, values, strict=True)],
-            [max(v) - m for m, v in zip(medians, values, strict=True)],
-        ]
         colors = [
             "#1f77b4" if not n.startswith(("sha256", "vLLM", "hit, before")) else "#999999"
             for n in names
         ]
-        ax.barh(range(len(names)), medians, xerr=errors, capsize=3, color=colors, edgecolor="black")
+        median_bars(
+            ax,
+            range(len(names)),
+            [[s * 1e3 for s in timings[name]] for name in names],
+            horizontal=True,
+            color=colors,
+        )
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
         ax.set_xscale("log")
@@ -203,23 +181,19 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{report['tokens']:,}-token lookup, {index}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=30)
+    parser = bench_parser(__doc__, reps=30, data_dir=False)
     parser.add_argument("--tokens", type=int, default=131_072)
-    parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
-    parser.add_argument("--skip-postgres", action="store_true")
-    parser.add_argument("--out", default=str(HERE / "results"))
+    add_postgres(parser)
     args = parser.parse_args()
     if args.tokens < 128 or args.tokens % 64:
         parser.error("--tokens must be a multiple of 64, at least 128")
 
     with tempfile.TemporaryDirectory(prefix="tkv-bench-lookup-") as tmp:
-        print_kv("machine", machine_info(tmp))
+        print_machine(tmp)
         print(
             f"\nlookup of a {args.tokens:,}-token prompt ({args.tokens // 64:,} blocks), "
             f"{args.reps} reps, round-robin; ms\n"
@@ -229,18 +203,11 @@ def main() -> None:
         }
         print(report_table("sqlite", runs["sqlite"]["timings"]) + "\n")
         if not args.skip_postgres:
-            schema = PostgresSchema(args.postgres)
-            try:
-                runs["postgresql"] = measure(Path(tmp) / "pg", schema.url, args.tokens, args.reps)
-            finally:
-                schema.drop()
+            with postgres_schema(args.postgres) as url:
+                runs["postgresql"] = measure(Path(tmp) / "pg", url, args.tokens, args.reps)
             print(report_table("postgresql", runs["postgresql"]["timings"]) + "\n")
     report = {"tokens": args.tokens, "reps": args.reps, "runs": runs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lookup.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "lookup.png")
-    print(f"wrote {out / 'lookup.json'} and {out / 'lookup.png'}")
+    write_outputs(args.out, "lookup", report, lambda png: plot(report, png))
 
 
 if __name__ == "__main__":

@@ -24,39 +24,31 @@ Run:  .venv/bin/python bench/plan.py [--reps 30] [--sizes 8192,32768,131072] [--
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from _common import format_stats_table, machine_info, median_bars, print_kv
-from fleet import DEFAULT_POSTGRES, LOOKUP_LAYOUT, PostgresSchema
+from _cli import add_postgres, bench_parser, block_sizes, write_outputs
+from _common import format_stats_table, print_machine, round_robin_calls
+from _fixtures import lookup_layout, open_cache, postgres_schema, tenant_namespace
+from _plots import median_bars, pyplot, save_figure
 
-import tenantkv
 from tenantkv.index.plan import locate_blocks
 
-HERE = Path(__file__).resolve().parent
 STEP_TOKENS = 16_384  # tokens per store: a conversation's turns
 BASELINE = "locate, IN lists"
 
 
 def measure(root: Path, database_url: str | None, num_tokens: int, reps: int) -> dict[str, Any]:
-    settings: dict[str, Any] = {"durable": False}
-    if database_url is not None:
-        settings["database_url"] = database_url
+    layout = lookup_layout()
     tokens = np.random.default_rng(num_tokens).integers(0, 50_000, num_tokens).astype(np.uint32)
-    width = LOOKUP_LAYOUT.kv_lora_rank + LOOKUP_LAYOUT.rope_dim
-    kv_rows = torch.zeros(num_tokens, width, dtype=LOOKUP_LAYOUT.dtype)
-    with tenantkv.open(root, **settings) as kv:
-        kv.create_tenant("acme", quota_bytes=2**34)
-        ns = kv.namespace("acme", model="bench", layout=LOOKUP_LAYOUT)
+    kv_rows = torch.zeros(num_tokens, layout.values_per_token, dtype=layout.dtype)
+    with open_cache(root, database_url, durable=False) as kv:
+        ns = tenant_namespace(kv, "acme", layout, model="bench", quota_bytes=2**34)
         for start in range(0, num_tokens, STEP_TOKENS):
             end = min(start + STEP_TOKENS, num_tokens)
             ns.store(tokens[:end], [kv_rows[start:end]], start=start)
@@ -87,15 +79,7 @@ def measure(root: Path, database_url: str | None, num_tokens: int, reps: int) ->
         assert runs == probed and len(runs[0]) == len(keys), "the two plans differ"
         extents = len(runs[1])
         assert plan().num_blocks == len(keys)
-        timings: dict[str, list[float]] = {name: [] for name in cases}
-        gc.collect()
-        gc.freeze()
-        for _ in range(reps):
-            for name, run in cases.items():
-                started = time.perf_counter()
-                run()
-                timings[name].append(time.perf_counter() - started)
-        gc.unfreeze()
+        timings = round_robin_calls(cases, reps, freeze=True)
     return {"timings": timings, "extents": extents, "blocks": len(keys)}
 
 
@@ -111,11 +95,7 @@ def report_table(label: str, run: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     indexes = list(report["runs"])
     fig, axes = plt.subplots(1, len(indexes), figsize=(7 * len(indexes), 5), squeeze=False)
     for ax, index in zip(axes[0], indexes, strict=True):
@@ -142,56 +122,32 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"read plan of a cached prefix, {index}", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--sizes", default="8192,32768,131072")
-    parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
-    parser.add_argument("--skip-postgres", action="store_true")
-    parser.add_argument("--out", default=str(HERE / "results"))
+    parser = bench_parser(__doc__, reps=30, data_dir=False)
+    parser.add_argument("--sizes", type=block_sizes, default="8192,32768,131072")
+    add_postgres(parser)
     args = parser.parse_args()
-    sizes = [int(size) for size in args.sizes.split(",")]
-    if any(size < 64 or size % 64 for size in sizes):
-        parser.error("--sizes must be multiples of 64 tokens")
-
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tkv-bench-plan-") as tmp:
-        print_kv("machine", machine_info(tmp))
+        print_machine(tmp)
         print(f"\nread plan of a cached prefix, {args.reps} reps, round-robin; ms\n")
-        indexes: list[tuple[str, Callable[[], str | None], Callable[[], None]]] = [
-            ("sqlite", lambda: None, lambda: None)
-        ]
-        if not args.skip_postgres:
-            schemas: list[PostgresSchema] = []
-
-            def new_schema() -> str:
-                schemas.append(PostgresSchema(args.postgres))
-                return schemas[-1].url
-
-            def drop_schemas() -> None:
-                for schema in schemas:
-                    schema.drop()
-
-            indexes.append(("postgresql", new_schema, drop_schemas))
-        for name, url_for_run, cleanup in indexes:
+        indexes = ["sqlite"] + ([] if args.skip_postgres else ["postgresql"])
+        for name in indexes:
             runs[name] = {}
-            try:
-                for size in sizes:
-                    root = Path(tmp) / f"{name}-{size}"
-                    runs[name][str(size)] = measure(root, url_for_run(), size, args.reps)
-                    print(report_table(f"{name}, {size:,} tokens", runs[name][str(size)]) + "\n")
-            finally:
-                cleanup()
+            for size in args.sizes:
+                root = Path(tmp) / f"{name}-{size}"
+                if name == "sqlite":
+                    run = measure(root, None, size, args.reps)
+                else:
+                    with postgres_schema(args.postgres) as url:
+                        run = measure(root, url, size, args.reps)
+                runs[name][str(size)] = run
+                print(report_table(f"{name}, {size:,} tokens", run) + "\n")
     report = {"reps": args.reps, "runs": runs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "plan.png")
-    print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    write_outputs(args.out, "plan", report, lambda png: plot(report, png))
 
 
 if __name__ == "__main__":

@@ -55,8 +55,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
-import json
 import mmap
 import os
 import random
@@ -67,44 +65,47 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
+from _cli import bench_parser, block_sizes, write_outputs
 from _common import (
     GB,
     MB,
     Result,
-    format_ms_row,
+    format_ratios,
+    format_stats_table,
     format_table,
-    machine_info,
-    plot_results,
     preadv_full,
     print_kv,
+    print_machine,
     publish,
     pwrite_full,
     repeat,
     stopwatch,
+    tokens_label,
     write_full,
 )
+from _fixtures import (
+    BLOCK_TOKENS,
+    DTYPE,
+    VALUES_PER_TOKEN,
+    check_load,
+    deepseek_layout,
+    import_tenantkv,
+    random_tokens,
+    tenant_namespace,
+    timed_load,
+)
+from _plots import plot_results
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-VALUES_PER_TOKEN = KV_LORA_RANK + ROPE_DIM  # 576
-DTYPE = torch.bfloat16
-BLOCK_TOKENS = 64
 TAG_BYTES = 16
-VOCAB_SIZE = 129_280  # DeepSeek-V3
 LOAD_TARGET = 0.7  # tenantkv load / aes-gcm load limit
 
 Span = tuple[int, int]  # (offset, length) in bytes
@@ -234,6 +235,18 @@ class SegmentCipher:
             for layer in range(shape.layers)
         ]
 
+    def seal_layer(self, layer: int, src: Sequence[memoryview], out: Sequence[memoryview]) -> None:
+        """Seal each plaintext segment of ``layer`` into its ciphertext+tag segment."""
+        encrypt_into, nonces, aads = self.aead.encrypt_into, self.nonces[layer], self.aads[layer]
+        for b, segment in enumerate(out):
+            encrypt_into(nonces[b], src[b], aads[b], segment)
+
+    def open_layer(self, layer: int, src: Sequence[memoryview], out: Sequence[memoryview]) -> None:
+        """Open each sealed segment of ``layer`` into its plaintext segment."""
+        decrypt_into, nonces, aads = self.aead.decrypt_into, self.nonces[layer], self.aads[layer]
+        for b, segment in enumerate(src):
+            decrypt_into(nonces[b], segment, aads[b], out[b])
+
 
 def aesgcm_releases_gil(nbytes: int = 64 << 20) -> bool:
     """Does one large ``AESGCM.decrypt_into`` call let another Python thread run?
@@ -293,9 +306,18 @@ class LayerWorkers:
         """This worker's ciphertext buffer: whole layer and per-segment views."""
         return self._local.whole, self._local.segments
 
-    def run(self, task: Callable[[int], None], n: int) -> None:
-        for _ in self._executor.map(task, range(n)):
+    def run(self, task: Callable[[int], None], n: int) -> float:
+        """Run ``task(i)`` for every i below ``n``; return when task 0 was done (perf_counter)."""
+        first = [0.0]
+
+        def timed(i: int) -> None:
+            task(i)
+            if i == 0:
+                first[0] = time.perf_counter()
+
+        for _ in self._executor.map(timed, range(n)):
             pass
+        return first[0]
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -316,14 +338,11 @@ def aes_store(
     to back), then fsync + rename + directory fsync. ``flags`` are extra open flags."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
-    encrypt_into = cipher.aead.encrypt_into
     layer_stride = shape.layer_ct_bytes if stride is None else stride
 
     def seal_layer(layer: int) -> None:
         whole, segments = workers.scratch()
-        src, nonces, aads = plain_segments[layer], cipher.nonces[layer], cipher.aads[layer]
-        for b, out in enumerate(segments):
-            encrypt_into(nonces[b], src[b], aads[b], out)
+        cipher.seal_layer(layer, plain_segments[layer], segments)
         pwrite_full(fd, whole, layer * layer_stride)
 
     try:
@@ -396,17 +415,15 @@ def aes_load(
     cipher: SegmentCipher,
     workers: LayerWorkers,
     shape: Shape,
-) -> None:
-    decrypt_into = cipher.aead.decrypt_into
+) -> float:
+    """Read and open every layer on ``workers``; return when layer 0 was done (perf_counter)."""
 
     def open_layer(layer: int) -> None:
         whole, segments = workers.scratch()
         preadv_full(fd, whole, layer * shape.layer_ct_bytes)
-        out, nonces, aads = dst_segments[layer], cipher.nonces[layer], cipher.aads[layer]
-        for b, seg in enumerate(segments):
-            decrypt_into(nonces[b], seg, aads[b], out[b])
+        cipher.open_layer(layer, segments, dst_segments[layer])
 
-    workers.run(open_layer, shape.layers)
+    return workers.run(open_layer, shape.layers)
 
 
 # --------------------------------------------------------------------------- #
@@ -476,28 +493,6 @@ def bench_baselines(
 # --------------------------------------------------------------------------- #
 
 
-def import_tenantkv() -> ModuleType:
-    """Import tenantkv (installed, else from the repository root) or exit with a clear message."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
-    hint = "Pass --skip-tenantkv to measure only the baselines."
-    try:
-        tenantkv = importlib.import_module("tenantkv")
-    except Exception as exc:
-        reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        sys.exit(
-            f"error: cannot import tenantkv ({reason}).\n"
-            f"Install it or run from the repository ({REPO_ROOT}). {hint}"
-        )
-    missing = [name for name in ("open", "KVLayout") if not hasattr(tenantkv, name)]
-    if missing:
-        where = getattr(tenantkv, "__file__", None) or list(getattr(tenantkv, "__path__", []))
-        sys.exit(
-            f"error: tenantkv (from {where}) has no {', '.join(missing)}; is it finished? {hint}"
-        )
-    return tenantkv
-
-
 @dataclass
 class TenantkvResults:
     load: Result
@@ -512,19 +507,12 @@ def bench_tenantkv(
         torch.frombuffer(buf, dtype=DTYPE).view(shape.tokens, shape.values_per_token)
         for buf in plain
     ]
-
-    def fresh_prefix() -> list[int]:
-        return [rng.randrange(VOCAB_SIZE) for _ in range(shape.tokens)]
-
     with tenantkv.open(root) as kv:
-        kv.create_tenant("bench", quota_bytes=64 * 2**30)  # room for every rep's prefix
-        layout = tenantkv.KVLayout.mla(
-            num_layers=shape.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
-        )
-        ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+        layout = deepseek_layout(shape.layers)
+        ns = tenant_namespace(kv, "bench", layout, quota_bytes=64 * 2**30)  # every rep's prefix
 
         # The prefix the loads read back: stored once, untimed (stores: bench_stores).
-        prefix = fresh_prefix()
+        prefix = random_tokens(rng, shape.tokens)
         if ns.store(prefix, layers) != shape.tokens:
             raise RuntimeError("ns.store did not store the whole fresh prefix")
 
@@ -535,42 +523,18 @@ def bench_tenantkv(
         if n != shape.tokens:
             print(f"warning: ns.lookup found {n} of {shape.tokens} stored tokens")
         hit = prefix[:n]
-
-        # Warm-up + correctness, untimed.
-        seen = set()
-        with ns.load(hit, device="cpu") as stream:
-            for index, layer in stream:
-                want = layers[index][:n]
-                if tuple(layer.shape) != tuple(want.shape) or layer.dtype != DTYPE:
-                    raise AssertionError(
-                        f"tenantkv load layer {index}: {layer.shape} {layer.dtype}"
-                    )
-                if not torch.equal(layer.view(torch.int16), want.view(torch.int16)):
-                    raise AssertionError(
-                        f"tenantkv load layer {index}: bytes differ from what was stored"
-                    )
-                seen.add(index)
-        if seen != set(range(shape.layers)):
-            raise AssertionError(f"tenantkv load yielded layers {sorted(seen)}")
+        check_load(ns, hit, [layer[:n] for layer in layers], device="cpu")  # and warms up
 
         first_layer: list[float] = []
 
         def load_once(_: int) -> float:
-            received = 0
-            first = last = 0.0
-            t0 = time.perf_counter()
-            with ns.load(hit, device="cpu") as stream:
-                for _index, _layer in stream:
-                    last = time.perf_counter()
-                    if received == 0:
-                        first = last
-                    received += 1
-            if received != shape.layers:
+            times = timed_load(ns, hit, device="cpu")
+            if times.layers != shape.layers:
                 raise AssertionError(
-                    f"tenantkv load yielded {received} layers, expected {shape.layers}"
+                    f"tenantkv load yielded {times.layers} layers, expected {shape.layers}"
                 )
-            first_layer.append(first - t0)
-            return last - t0
+            first_layer.append(times.first)
+            return times.last
 
         load_secs = repeat(load_once, reps)
         load = Result(
@@ -606,10 +570,6 @@ class StoreRun:
         aes-gcm store, so that neither way of writing flatters tenantkv."""
         limits = [r for r in self.results if r.group == "aes-gcm"]
         return max(limits, key=lambda r: r.median_gbps)
-
-
-def tokens_label(tokens: int) -> str:
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def bench_stores(
@@ -682,11 +642,8 @@ def bench_stores(
     try:
         if tenantkv is not None:
             kv = tenantkv.open(workdir / f"tenantkv-stores-{shape.tokens}")
-            kv.create_tenant("bench", quota_bytes=64 * 2**30)
-            layout = tenantkv.KVLayout.mla(
-                num_layers=shape.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
-            )
-            ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+            layout = deepseek_layout(shape.layers)
+            ns = tenant_namespace(kv, "bench", layout, quota_bytes=64 * 2**30)
             layers = [
                 torch.frombuffer(v, dtype=DTYPE).view(shape.tokens, shape.values_per_token)
                 for v in plain
@@ -695,7 +652,7 @@ def bench_stores(
             context = kv.context
 
             def tenantkv_store(_: int) -> float:
-                tokens = [rng.randrange(VOCAB_SIZE) for _ in range(shape.tokens)]
+                tokens = random_tokens(rng, shape.tokens)
                 t0 = time.perf_counter()
                 stored = ns.store(tokens, layers)
                 elapsed = time.perf_counter() - t0
@@ -767,13 +724,10 @@ def bench_long_store(
         [],
     )
     with tenantkv.open(workdir / "tenantkv-long") as kv:
-        kv.create_tenant("bench", quota_bytes=64 * 2**30)
-        layout = tenantkv.KVLayout.mla(
-            num_layers=shape.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
-        )
-        ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+        layout = deepseek_layout(shape.layers)
+        ns = tenant_namespace(kv, "bench", layout, quota_bytes=64 * 2**30)
         for rep in range(-1, reps):  # rep -1: warm-up, untimed
-            tokens = [rng.randrange(VOCAB_SIZE) for _ in range(shape.tokens)]
+            tokens = random_tokens(rng, shape.tokens)
             times: list[float] = []
             gc.collect()
             gc.disable()
@@ -866,11 +820,9 @@ def print_store_report(
             tokens = tokens_label((i + 1) * long_run.step)
             print(f"{i + 1:>4}  {tokens:>12}  {lo:>10.3f} / {mid:>6.3f} / {hi:>6.3f} (min/med/max)")
     rows = store_ratios(runs, long_run)
-    name_w = max(len(name) for name, _, _ in rows) if rows else 0
     print()
     print("Store ratios of medians (same run)")
-    for name, value, note in rows:
-        print(f"  {name:<{name_w}}  {value:>6.3f}  {note}")
+    print(format_ratios(rows))
     return rows
 
 
@@ -924,17 +876,13 @@ def print_report(
     print(f"Results ({reps} repetitions each; GB/s of plaintext, 1 GB = 1e9 B)")
     print(format_table(results))
     if tkv is not None:
-        name_w = max(len("metric"), len("tenantkv load: time to first layer"))
+        ttfl = [s * 1e3 for s in tkv.first_layer_seconds]
         print()
-        print(f"{'metric':<{name_w}}  {'min ms':>8}  {'median ms':>10}  {'max ms':>8}")
-        print("-" * (name_w + 32))
-        print(format_ms_row("tenantkv load: time to first layer", tkv.first_layer_seconds, name_w))
+        print(format_stats_table([("tenantkv load: time to first layer", ttfl, "")], "ms"))
     rows = ratios(results, tkv, threads)
-    name_w = max(len(name) for name, _, _ in rows)
     print()
     print("Ratios of medians (same run)")
-    for name, value, note in rows:
-        print(f"  {name:<{name_w}}  {value:>6.3f}  {note}")
+    print(format_ratios(rows))
     return rows
 
 
@@ -944,28 +892,13 @@ def print_report(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--tokens", type=int, default=8192, help="prefix length in tokens (default 8192)"
-    )
-    p.add_argument("--layers", type=int, default=61, help="number of layers (default 61)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per method (default 5)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="threads for the aes-gcm limit (default: cores)",
-    )
-    p.add_argument(
-        "--dir", default=None, help="parent of the temporary data dir (default: system temp, /tmp)"
-    )
-    p.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where the PNG/JSON go")
-    p.add_argument("--seed", type=int, default=0)
+    p = bench_parser(__doc__, reps=5, layers=61, threads=True, seed=0)
+    p.add_argument("--tokens", type=int, default=8192, help="prefix length of the loads (8192)")
     p.add_argument("--skip-tenantkv", action="store_true", help="measure only the baselines")
     p.add_argument(
         "--store-tokens",
-        type=_token_list,
-        default=[8192, 32768],
+        type=block_sizes,
+        default="8192,32768",
         help="prefix sizes of the store comparison, comma-separated (default 8192,32768)",
     )
     p.add_argument(
@@ -984,19 +917,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.long_tokens < 0 or args.long_tokens % args.long_step:
         p.error("--long-tokens must be a multiple of --long-step (or 0)")
-    if any(t % BLOCK_TOKENS for t in [*args.store_tokens, args.long_step]):
-        p.error(f"store sizes and --long-step must be multiples of {BLOCK_TOKENS} tokens")
+    if args.long_step % BLOCK_TOKENS:
+        p.error(f"--long-step must be a multiple of {BLOCK_TOKENS} tokens")
     return args
-
-
-def _token_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}")
-    return values
 
 
 def describe_data(shape: Shape, reps: int, threads: int, releases_gil: bool) -> dict[str, str]:
@@ -1015,7 +938,7 @@ def describe_data(shape: Shape, reps: int, threads: int, releases_gil: bool) -> 
     }
 
 
-def write_outputs(
+def write_load_outputs(
     out: Path,
     machine: dict[str, str],
     shape: Shape,
@@ -1083,20 +1006,16 @@ def _write_plot_and_report(
     results: Sequence[Result],
     heading: str,
     machine: dict[str, str],
-    report: dict[str, Any],
+    report: dict[str, object],
 ) -> tuple[Path, Path]:
     """``out/stem.png`` (``results`` plotted under ``heading`` and the machine) and
     ``out/stem.json`` (``report``)."""
-    out.mkdir(parents=True, exist_ok=True)
-    png, js = out / f"{stem}.png", out / f"{stem}.json"
     crypto_version = machine["cryptography"].split()[0]
     title = (
         f"{heading}\n{machine['cpu']}, {machine['cores']} cores, python {machine['python']}, "
         f"cryptography {crypto_version}"
     )
-    plot_results(results, png, title)
-    js.write_text(json.dumps(report, indent=2) + "\n")
-    return png, js
+    return write_outputs(out, stem, report, lambda png: plot_results(results, png, title))
 
 
 def run_stores(
@@ -1131,18 +1050,18 @@ def run_stores(
     del plain
     print()
     rows = print_store_report(runs, long_run, args.reps)
-    png, js = write_store_outputs(args.out, machine, args.layers, args.reps, runs, long_run, rows)
-    print(f"\nplot: {png}\njson: {js}\n")
+    write_store_outputs(args.out, machine, args.layers, args.reps, runs, long_run, rows)
+    print()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    tenantkv = None if args.skip_tenantkv else import_tenantkv()
+    hint = "Pass --skip-tenantkv to measure only the baselines."
+    tenantkv = None if args.skip_tenantkv else import_tenantkv(hint)
     shape = Shape(layers=args.layers, tokens=args.tokens)
     workdir = Path(tempfile.mkdtemp(prefix="tenantkv-bench-", dir=args.dir))
     try:
-        machine = machine_info(str(workdir))
-        print_kv("Machine", machine)
+        machine = print_machine(workdir)
         releases_gil = aesgcm_releases_gil()
         print_kv("Data", describe_data(shape, args.reps, args.threads, releases_gil))
         if not args.skip_store:
@@ -1166,10 +1085,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = [*results, tkv.load]
         print()
         rows = print_report(results, tkv, args.threads, args.reps)
-        png, js = write_outputs(
-            args.out, machine, shape, args.reps, results, tkv, rows, releases_gil
-        )
-        print(f"\nplot: {png}\njson: {js}")
+        write_load_outputs(args.out, machine, shape, args.reps, results, tkv, rows, releases_gil)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -58,15 +58,12 @@ import gc
 import importlib
 import json
 import os
-import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,24 +71,35 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from _cli import bench_parser, block_sizes, run_child, write_outputs
 from _common import (
     GB,
     MB,
     Result,
+    format_ratios,
     format_stats_table,
-    machine_info,
-    min_med_max,
     print_kv,
-    repeat,
+    print_machine,
+    round_robin,
+    stopwatch,
+    tokens_label,
 )
-from store_load import (
+from _fixtures import (
     BLOCK_TOKENS,
     DTYPE,
-    KV_LORA_RANK,
-    ROPE_DIM,
-    TAG_BYTES,
     VALUES_PER_TOKEN,
-    VOCAB_SIZE,
+    byte_view,
+    check_load,
+    deepseek_layout,
+    import_tenantkv,
+    prefix_tokens,
+    same_bits,
+    tenant_namespace,
+    timed_load,
+)
+from _plots import pyplot, save_figure, whiskers
+from store_load import (
+    TAG_BYTES,
     LayerWorkers,
     SegmentCipher,
     Shape,
@@ -104,8 +112,6 @@ from store_load import (
     split,
 )
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
 MiB = 2**20
 
 THROUGHPUT_TARGET = 0.9  # tenantkv load / aes-gcm load limit
@@ -126,20 +132,6 @@ MODE_LABEL = {"fresh": "tenantkv load (fresh tensors)", "out": "tenantkv load (o
 # --------------------------------------------------------------------------- #
 
 
-def import_tenantkv() -> ModuleType:
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
-    try:
-        tenantkv = importlib.import_module("tenantkv")
-    except Exception as exc:
-        reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        sys.exit(f"error: cannot import tenantkv ({reason}); run from the repository {REPO_ROOT}")
-    missing = [name for name in ("open", "KVLayout") if not hasattr(tenantkv, name)]
-    if missing:
-        sys.exit(f"error: tenantkv has no {', '.join(missing)}; is it finished?")
-    return tenantkv
-
-
 def ring_bytes(tenantkv: ModuleType) -> tuple[int, str]:
     """The staging ring size the RSS bound uses, and where it came from."""
     try:
@@ -150,32 +142,9 @@ def ring_bytes(tenantkv: ModuleType) -> tuple[int, str]:
         return DEFAULT_RING_BYTES, "assumed default (tenantkv.datapath.staging not found)"
 
 
-def prefix_tokens(seed: int, tokens: int) -> list[int]:
-    """The prefix for one size; the RSS subprocess regenerates it from the same seed."""
-    rng = random.Random(seed * 1_000_003 + tokens)
-    return [rng.randrange(VOCAB_SIZE) for _ in range(tokens)]
-
-
-def open_namespace(tenantkv: ModuleType, kv: Any, layers: int) -> Any:
-    layout = tenantkv.KVLayout.mla(
-        num_layers=layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
-    )
-    return kv.namespace("bench", model="deepseek-v3", layout=layout)
-
-
 def new_buffers(layers: int, rows: int) -> list[torch.Tensor]:
     """Caller-owned output buffers, zero-filled so every page is resident before use."""
     return [torch.empty(rows, VALUES_PER_TOKEN, dtype=DTYPE).zero_() for _ in range(layers)]
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return tuple(a.shape) == tuple(b.shape) and torch.equal(
-        a.view(torch.int16), b.view(torch.int16)
-    )
 
 
 class OutUnsupported(Exception):
@@ -239,7 +208,7 @@ def rss_child(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = prefix_tokens(spec["seed"], spec["tokens"])
     result: dict[str, Any] = {"mode": mode, "tokens": spec["tokens"]}
     with tenantkv.open(spec["root"]) as kv:
-        ns = open_namespace(tenantkv, kv, layers)
+        ns = kv.namespace("bench", model="deepseek-v3", layout=deepseek_layout(layers))
         n = ns.lookup(tokens)
         if n != spec["tokens"]:
             raise RuntimeError(f"rss child: lookup found {n} of {spec['tokens']} tokens")
@@ -286,20 +255,10 @@ def rss_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_rss_child(spec: dict[str, Any]) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--rss-child", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH_DIR)
-    except subprocess.TimeoutExpired:
-        return {"mode": spec["mode"], "tokens": spec["tokens"], "error": "subprocess timed out"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {
-            "mode": spec["mode"],
-            "tokens": spec["tokens"],
-            "error": f"subprocess failed (rc {proc.returncode}): {' | '.join(tail)}",
-        }
-    return dict(json.loads(lines[-1]))
+        return dict(run_child(__file__, "--rss-child", spec, timeout=300))
+    except Exception as err:  # reported in its row, the run goes on
+        return {"mode": spec["mode"], "tokens": spec["tokens"], "error": str(err)}
 
 
 # --------------------------------------------------------------------------- #
@@ -335,29 +294,6 @@ def verify_buffers(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.
     bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not same_bits(g, w)]
     if bad:
         raise AssertionError(f"{name}: bytes differ from the original in layers {bad[:8]}")
-
-
-def check_tenantkv_load(
-    ns: Any, hit: list[int], want: Sequence[torch.Tensor], out: list[torch.Tensor] | None
-) -> None:
-    """Untimed: one load whose layers must equal the stored bytes (and be `out`'s tensors)."""
-    seen: list[int] = []
-    with call_load(ns, hit, out) as stream:
-        for index, layer in stream:
-            if not isinstance(layer, torch.Tensor) or layer.dtype != DTYPE:
-                raise AssertionError(f"layer {index}: got {type(layer).__name__} {layer!r:.60}")
-            if not same_bits(layer, want[index]):
-                raise AssertionError(f"layer {index}: bytes differ from what was stored")
-            if out is not None and (
-                layer.data_ptr() != out[index].data_ptr()
-                or layer.untyped_storage().data_ptr() != out[index].untyped_storage().data_ptr()
-            ):
-                raise AssertionError(
-                    f"layer {index} is not the caller's buffer (out= was not written in place)"
-                )
-            seen.append(index)
-    if seen != list(range(len(want))):
-        raise AssertionError(f"load yielded layers {seen[:8]}... (expected 0..{len(want) - 1})")
 
 
 def bench_size(
@@ -433,8 +369,8 @@ def measure_loads(
 
         root = workdir / "tenantkv"
         kv = tenantkv.open(root)
-        kv.create_tenant("bench", quota_bytes=64 * 2**30)  # room for every rep's prefix
-        ns = open_namespace(tenantkv, kv, shape.layers)
+        layout = deepseek_layout(shape.layers)
+        ns = tenant_namespace(kv, "bench", layout, quota_bytes=64 * 2**30)  # every rep's prefix
         stored = ns.store(tokens, want)
         n = ns.lookup(tokens)
         if stored != shape.tokens or n != shape.tokens:
@@ -449,13 +385,11 @@ def measure_loads(
         zero_bufs()
         aes_load(aes_fd, dst_segments, cipher, pool, shape)
         verify_buffers("aes-gcm load", bufs, want)
-        check_tenantkv_load(ns, hit, want, None)
+        check_load(ns, hit, want, device="cpu")
         skipped: dict[str, str] = {}
         zero_bufs()
         try:
-            check_tenantkv_load(ns, hit, want, bufs)
-        except OutUnsupported as err:
-            skipped["out"] = str(err)
+            check_load(ns, hit, want, out=bufs, device="cpu")
         except Exception as err:  # the library's out= is new: report, do not crash the run
             skipped["out"] = f"out= mode failed its check: {type(err).__name__}: {err}"
         if "out" in skipped:
@@ -466,44 +400,25 @@ def measure_loads(
         first_layer: dict[str, list[float]] = {m: [] for m in MODES}
 
         def tkv_measure(mode: str) -> Callable[[int], float]:
-            out = bufs if mode == "out" else None
+            out = {"out": bufs} if mode == "out" else {}
 
             def measure(_: int) -> float:
-                received = 0
-                first = last = 0.0
-                t0 = time.perf_counter()
-                with call_load(ns, hit, out) as stream:
-                    for _index, _layer in stream:
-                        last = time.perf_counter()
-                        if received == 0:
-                            first = last
-                        received += 1
-                if received != shape.layers:
-                    raise AssertionError(f"{mode}: {received} layers, expected {shape.layers}")
-                first_layer[mode].append(first - t0)
-                return last - t0
-
-            return measure
-
-        def timed(fn: Callable[[], None]) -> Callable[[int], float]:
-            def measure(_: int) -> float:
-                t0 = time.perf_counter()
-                fn()
-                return time.perf_counter() - t0
+                times = timed_load(ns, hit, device="cpu", **out)
+                if times.layers != shape.layers:
+                    raise AssertionError(f"{mode}: {times.layers} layers, expected {shape.layers}")
+                first_layer[mode].append(times.first)
+                return times.last
 
             return measure
 
         methods: dict[str, Callable[[int], float]] = {
-            "raw": timed(lambda: raw_load(raw_fd, dst_views, shape)),
-            "aes": timed(lambda: aes_load(aes_fd, dst_segments, cipher, pool, shape)),
+            "raw": stopwatch(lambda _: raw_load(raw_fd, dst_views, shape)),
+            "aes": stopwatch(lambda _: aes_load(aes_fd, dst_segments, cipher, pool, shape)),
         }
         for mode in MODES:
             if mode not in skipped:
                 methods[mode] = tkv_measure(mode)
-        seconds: dict[str, list[float]] = {name: [] for name in methods}
-        for _round in range(reps):
-            for name, measure in methods.items():
-                seconds[name] += repeat(measure, 1)
+        seconds = round_robin(methods, reps)
 
         nbytes = shape.total_bytes
         size = SizeResult(
@@ -543,7 +458,7 @@ def rss_bound(shape: Shape, ring: int) -> int:
 
 
 def size_label(shape: Shape) -> str:
-    return f"{shape.tokens // 1024}K"
+    return tokens_label(shape.tokens)
 
 
 def print_report(
@@ -595,10 +510,7 @@ def print_report(
                 "cost of crypto",
             )
         )
-    name_w = max(len(name) for name, _, _ in ratio_rows)
-    for name, value, note in ratio_rows:
-        shown = "     -" if value != value else f"{value:>6.3f}"
-        print(f"  {name:<{name_w}}  {shown}  {note}")
+    print(format_ratios(ratio_rows))
     summary["ratios"] = {name: value for name, value, _ in ratio_rows if value == value}
 
     # ---- time to first layer -----------------------------------------------------------------
@@ -723,32 +635,20 @@ def print_report(
 _COLOURS = {"raw": "#8c8c8c", "aes": "#1f77b4", "fresh": "#ff7f0e", "out": "#2ca02c"}
 
 
-def _whiskers(
-    values_per_bar: Sequence[Sequence[float] | None],
-) -> tuple[list[float], list[list[float]]]:
-    med, lo, hi = [], [], []
-    for values in values_per_bar:
-        if not values:
-            med.append(0.0)
-            lo.append(0.0)
-            hi.append(0.0)
-            continue
-        a, m, b = min_med_max(values)
-        med.append(m)
-        lo.append(m - a)
-        hi.append(b - m)
-    return med, [lo, hi]
-
-
 def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = [f"{s.shape.tokens:,} tok\n{s.shape.total_bytes / MB:.0f} MB" for s in sizes]
     x = list(range(len(sizes)))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.8))
+
+    def finish(ax: Any, headroom: float, ylabel: str, panel: str, legend_at: str) -> None:
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylim(0, headroom * ax.get_ylim()[1])  # room for the labels and the legend
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel, fontsize=10)
+        ax.legend(fontsize=7, loc=legend_at)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
 
     # (a) throughput
     ax = axes[0]
@@ -768,7 +668,7 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
     ]
     width = 0.8 / len(series)
     for k, (key, name, vals) in enumerate(series):
-        med, err = _whiskers(vals)
+        med, err = whiskers(vals)
         pos = [i + (k - (len(series) - 1) / 2) * width for i in x]
         bars = ax.bar(
             pos, med, width, yerr=err, capsize=3, color=_COLOURS[key], edgecolor="black", label=name
@@ -783,13 +683,9 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
                 ha="center",
                 fontsize=7,
             )
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylim(0, 1.2 * ax.get_ylim()[1])  # room for the labels and the legend
-    ax.set_ylabel("GB/s (plaintext); median, whiskers = min/max")
-    ax.set_title("load throughput", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    finish(
+        ax, 1.2, "GB/s (plaintext); median, whiskers = min/max", "load throughput", "upper right"
+    )
 
     # (b) time to first layer
     ax = axes[1]
@@ -798,7 +694,7 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
         vals = [
             [v * 1e3 for v in s.modes[mode].first_layer] if mode in s.modes else None for s in sizes
         ]
-        med, err = _whiskers(vals)
+        med, err = whiskers(vals)
         pos = [i + (k - 0.5) * width for i in x]
         ax.bar(
             pos,
@@ -832,13 +728,8 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
         linewidth=1,
         label=f"{TTFL_ABS_TARGET_MS:g} ms target",
     )
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylim(0, 1.2 * ax.get_ylim()[1])
-    ax.set_ylabel("ms from ns.load() to layer 0; median, whiskers = min/max")
-    ax.set_title("time to first layer", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    ylabel = "ms from ns.load() to layer 0; median, whiskers = min/max"
+    finish(ax, 1.2, ylabel, "time to first layer", "upper left")
 
     # (c) RSS growth
     ax = axes[2]
@@ -875,19 +766,11 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
         zorder=3,
         label=f"bound: ring + {IN_FLIGHT_LAYERS} layers + {RSS_SLACK_BYTES // MiB} MiB",
     )
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylim(0, 1.3 * ax.get_ylim()[1])
-    ax.set_ylabel("peak RSS growth during one load (MiB)")
-    ax.set_title("peak RSS growth vs prefix size (fresh subprocess)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+    title_c = "peak RSS growth vs prefix size (fresh subprocess)"
+    finish(ax, 1.3, "peak RSS growth during one load (MiB)", title_c, "upper left")
 
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- #
@@ -896,34 +779,19 @@ def plot(sizes: Sequence[SizeResult], path: Path, title: str, threads: int, ring
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__, reps=5, layers=61, threads=True, seed=0)
     p.add_argument(
-        "--tokens", default="8192,32768", help="comma-separated prefix sizes (default 8192,32768)"
+        "--tokens",
+        type=block_sizes,
+        default="8192,32768",
+        help="comma-separated prefix sizes (default 8192,32768)",
     )
-    p.add_argument("--layers", type=int, default=61, help="number of layers (default 61)")
-    p.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="threads for the aes-gcm limit (default: cores)",
-    )
-    p.add_argument(
-        "--dir", default=None, help="parent of the temporary data dir (default: system temp)"
-    )
-    p.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where the PNG/JSON go")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--rss-interval-ms", type=float, default=1.0, help="RSS sampling period (default 1)"
     )
     p.add_argument("--skip-rss", action="store_true", help="skip the peak-RSS subprocesses")
     args = p.parse_args(argv)
-    try:
-        args.token_sizes = sorted({int(t) for t in args.tokens.split(",") if t.strip()})
-    except ValueError:
-        p.error("--tokens takes comma-separated integers")
-    if not args.token_sizes or any(t < BLOCK_TOKENS or t % BLOCK_TOKENS for t in args.token_sizes):
-        p.error(f"--tokens: every size must be a positive multiple of {BLOCK_TOKENS}")
+    args.token_sizes = sorted(set(args.tokens))
     for name in ("layers", "reps", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
@@ -941,7 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tenantkv = import_tenantkv()
     ring, ring_source = ring_bytes(tenantkv)
     shapes = [Shape(layers=args.layers, tokens=t) for t in args.token_sizes]
-    parent = args.dir or tempfile.gettempdir()
+    parent = args.dir
 
     largest = shapes[-1]
     need_disk = 3 * largest.total_ct_bytes + 256 * MiB
@@ -951,8 +819,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"error: need ~{need_disk / GB:.1f} GB free in {parent}, have {free_disk / GB:.1f} GB"
         )
 
-    machine = machine_info(parent)
-    print_kv("Machine", machine)
+    machine = print_machine(parent)
     releases_gil = aesgcm_releases_gil()
     seg = f"{BLOCK_TOKENS * largest.token_bytes:,} B plaintext + {TAG_BYTES} B tag"
     print_kv(
@@ -1013,14 +880,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     summary = print_report(sizes, args.reps, args.threads, ring, args.rss_interval_ms)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    png, js = args.out / "streaming.png", args.out / "streaming.json"
     title = (
         f"tenantkv layer-wise streaming load: {args.layers} layers x 576 bf16, {args.reps} reps; "
         f"{machine['cpu']}, {machine['cores']} cores, python {machine['python']}, "
         f"cryptography {machine['cryptography'].split()[0]}"
     )
-    plot(sizes, png, title, args.threads, ring)
     report = {
         "machine": machine,
         "reps": args.reps,
@@ -1046,8 +910,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
         "summary": summary,
     }
-    js.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nplot: {png}\njson: {js}")
+    write_outputs(
+        args.out, "streaming", report, lambda png: plot(sizes, png, title, args.threads, ring)
+    )
     return 0
 
 

@@ -30,7 +30,6 @@ Run:  .venv/bin/python bench/tiers.py [--tokens 8192] [--reps 5] [--layers 61]
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import secrets
 import shutil
@@ -42,38 +41,27 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import torch
-from _common import Result, format_table, machine_info, plot_results, print_kv, repeat, stopwatch
-from store_load import DTYPE, KV_LORA_RANK, ROPE_DIM, VALUES_PER_TOKEN, VOCAB_SIZE
+from _cli import bench_parser, write_outputs
+from _common import Hook, Result, format_table, print_machine, round_robin, stopwatch
+from _fixtures import (
+    check_load,
+    deepseek_layout,
+    load_all,
+    random_layers,
+    random_tokens,
+    tenant_namespace,
+)
+from _plots import plot_results
 
 import tenantkv
 from tenantkv.storage import TieredBlockStore
 
-BENCH_DIR = Path(__file__).resolve().parent
-
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__, reps=5, layers=61, seed=0)
     p.add_argument("--tokens", type=int, default=8192, help="prefix length (multiple of 64)")
-    p.add_argument("--layers", type=int, default=61)
-    p.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the Redis server")
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the file tier lives")
-    p.add_argument("--out", type=Path, default=BENCH_DIR / "results")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def layers_of(tokens: int, layers: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(tokens, VALUES_PER_TOKEN, generator=gen).to(DTYPE) for _ in range(layers)]
-
-
-def load_once(ns: Any, tokens: list[int], expected: list[torch.Tensor] | None = None) -> None:
-    with ns.load(tokens) as stream:
-        for index, layer in stream:
-            if expected is not None:
-                assert torch.equal(layer.view(torch.int16), expected[index].view(torch.int16))
 
 
 def raw_read(client: Any, prefix: str, piece: int = 2**20) -> int:
@@ -100,15 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tenantkv-tiers-", dir=args.dir))
     client = redis.Redis.from_url(args.redis)
     prefixes = {name: f"tkvbench:{secrets.token_hex(4)}:" for name in ("redis", "tiered")}
-    rng = random.Random(args.seed)
-    tokens = [rng.randrange(VOCAB_SIZE) for _ in range(args.tokens)]
-    layout = tenantkv.KVLayout.mla(
-        num_layers=args.layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
-    )
-    nbytes = args.tokens * args.layers * VALUES_PER_TOKEN * DTYPE.itemsize
-    info = machine_info(str(work))
-    info["redis"] = f"{args.redis} (server {client.info('server')['redis_version']})"
-    print_kv("machine", info)
+    tokens = random_tokens(random.Random(args.seed), args.tokens)
+    layout = deepseek_layout(args.layers)
+    nbytes = args.tokens * args.layers * layout.values_per_token * layout.dtype.itemsize
+    server = client.info("server")["redis_version"]
+    info = print_machine(work, redis=f"{args.redis} (server {server})")
     print(f"prefix: {args.tokens} tokens x {args.layers} layers = {nbytes / 1e6:.1f} MB\n")
     urls = {
         "file": (work / "file").as_uri(),
@@ -117,13 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     caches: dict[str, Any] = {}
     try:
-        data = layers_of(args.tokens, args.layers, args.seed)
+        data = random_layers(layout, args.tokens, args.seed)
         namespaces = {}
         for name, url in urls.items():
             kv = tenantkv.open(work / f"cache-{name}", durable=False, block_store_url=url)
             caches[name] = kv
-            kv.create_tenant("bench")
-            ns = kv.namespace("bench", model="deepseek-v3", layout=layout)
+            ns = tenant_namespace(kv, "bench", layout)
             assert ns.store(tokens, data) == args.tokens, f"{name}: store was skipped"
             namespaces[name] = ns
         tiered = caches["tiered"]._ctx.blocks
@@ -142,9 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         def read_raw() -> None:
             raw_read(client, prefixes["redis"])
 
-        Hook = Callable[[int], None] | None
         # (name, the namespace it loads from or None for the raw read, before, after)
-        methods: list[tuple[str, Any, Hook, Hook]] = [
+        methods: list[tuple[str, Any, Hook | None, Hook | None]] = [
             ("file tier", namespaces["file"], None, None),
             ("redis raw read", None, None, None),
             ("redis tier", namespaces["redis"], None, None),
@@ -156,17 +138,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             if before:
                 before(0)
-            load_once(ns, tokens, data)
+            check_load(ns, tokens, data)
             if after:
                 after(0)
         del data
-        seconds: dict[str, list[float]] = {name: [] for name, *_ in methods}
-        for _rep in range(args.reps):
-            for name, ns, before, after in methods:
-                run = read_raw if ns is None else lambda ns=ns: load_once(ns, tokens)
-                seconds[name] += repeat(
-                    stopwatch(lambda _r, run=run: run()), 1, before=before, after=after
-                )
+
+        def timed(ns: Any) -> Callable[[int], float]:
+            if ns is None:
+                return stopwatch(lambda _: read_raw())
+            return stopwatch(lambda _: load_all(ns, tokens))
+
+        seconds = round_robin(
+            {name: timed(ns) for name, ns, _before, _after in methods},
+            args.reps,
+            before={name: before for name, _ns, before, _after in methods},
+            after={name: after for name, _ns, _before, after in methods},
+        )
         stats = tiered.stats()
     finally:
         for kv in caches.values():
@@ -184,8 +171,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceiling = next(r for r in results if r.name == "redis raw read").median_gbps
     print(f"  redis tier / redis raw read: {results[2].median_gbps / ceiling:.2f}")
     print(f"\ntiered store counters: {stats}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_results(results, args.out / "tiers.png", f"load of {nbytes / 1e6:.0f} MB by tier")
     summary = {
         "machine": info,
         "tokens": args.tokens,
@@ -195,8 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tiered_stats": stats,
         "median_gbps": {r.name: statistics.median(r.gbps) for r in results},
     }
-    (args.out / "tiers.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nwrote {args.out / 'tiers.png'} and {args.out / 'tiers.json'}")
+    title = f"load of {nbytes / 1e6:.0f} MB by tier"
+    write_outputs(args.out, "tiers", summary, lambda png: plot_results(results, png, title))
     return 0
 
 

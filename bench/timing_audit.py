@@ -39,9 +39,7 @@ Run:  .venv/bin/python bench/timing_audit.py [--n 250] [--tokens 2048] [--layers
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import random
 import sys
 import tempfile
@@ -50,16 +48,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from _common import format_stats_table, machine_info, print_kv
+from _cli import bench_parser, write_outputs
+from _common import format_stats_table, print_machine
+from _fixtures import deepseek_layout, load_all, random_layers, random_tokens
 from _ks import KsResult, ks_2samp
+from _plots import pyplot, save_figure
 
 import tenantkv
 from tenantkv import KVLayout, Namespace, TenantKV
 from tenantkv.errors import CacheMissError
 
 MODEL = "deepseek-v3"
-VOCAB = 129_280  # DeepSeek-V3's vocabulary
 GROUPS = ("shared", "fresh")
 MEASURES = ("attempt", "lookup", "load")
 HIT = "hit"
@@ -154,25 +153,6 @@ class ScenarioResult:
         return wrong
 
 
-def random_tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(count)]
-
-
-def random_layers(layout: KVLayout, num_tokens: int, seed: int) -> list[tenantkv.Layer]:
-    generator = torch.Generator().manual_seed(seed)
-    layers: list[tenantkv.Layer] = []
-    for _ in range(layout.num_layers):
-        if layout.kind == "mla":
-            shape: tuple[int, ...] = (num_tokens, layout.values_per_token)
-            layers.append(torch.randn(*shape, generator=generator).to(layout.dtype))
-        else:
-            shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
-            k = torch.randn(*shape, generator=generator).to(layout.dtype)
-            v = torch.randn(*shape, generator=generator).to(layout.dtype)
-            layers.append((k, v))
-    return layers
-
-
 def make_probes(
     prompt: Sequence[int], block_tokens: int, n: int, rng: random.Random
 ) -> list[tuple[str, list[int]]]:
@@ -206,8 +186,7 @@ def probe(ns: Namespace, group: str, tokens: list[int]) -> Attempt:
         outcome = MISS
         try:
             full = len(tokens) - len(tokens) % ns.block_tokens
-            with ns.load(tokens[: hit or full]) as stream:
-                delivered = sum(1 for _ in stream)
+            delivered = load_all(ns, tokens[: hit or full])
             outcome = HIT if delivered == ns.layout.num_layers else f"{delivered} layers"
         except CacheMissError:
             outcome = MISS if hit == 0 else "cache miss after a hit"
@@ -256,11 +235,6 @@ def run_scenario(
     return result
 
 
-def small_layout(num_layers: int) -> KVLayout:
-    """DeepSeek-V3's MLA latent (512 + 64 bf16 values per token and layer)."""
-    return KVLayout.mla(num_layers=num_layers, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
-
-
 def run_audit(
     root: Path,
     *,
@@ -272,7 +246,7 @@ def run_audit(
 ) -> list[ScenarioResult]:
     """Every scenario on one cache at ``root`` (the embedded default unless the environment
     says otherwise); the core of the audit, without printing or verdicts."""
-    layout = layout or small_layout(61)
+    layout = layout or deepseek_layout(61)
     rng = random.Random(seed)
     with tenantkv.open(root, durable=False) as kv:
         kv.create_tenant("victim")
@@ -330,12 +304,7 @@ def format_verdicts(verdicts: Sequence[Verdict]) -> str:
 
 def plot(results: Sequence[ScenarioResult], path: Path) -> None:
     """ECDFs of shared vs fresh probes, one panel per scenario (rows) and timing (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(
+    fig, axes = pyplot().subplots(
         len(results), len(MEASURES), figsize=(13, 3.2 * len(results)), squeeze=False
     )
     for row, result in enumerate(results):
@@ -355,30 +324,22 @@ def plot(results: Sequence[ScenarioResult], path: Path) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("tenantkv timing audit: attacker's shared-prefix vs fresh probes", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = bench_parser(__doc__, layers=61, seed=0)
     parser.add_argument("--n", type=int, default=250, help="probes per group and scenario")
     parser.add_argument("--tokens", type=int, default=2048, help="victim prompt length")
-    parser.add_argument("--layers", type=int, default=61, help="layers of the MLA layout")
     parser.add_argument("--warmup", type=int, default=20, help="untimed probes per group")
     parser.add_argument("--alpha", type=float, default=0.001, help="KS significance level")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the cache goes")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     if args.tokens < 128 or args.tokens % 64:
         parser.error("--tokens must be a multiple of 64, at least 128")
     if args.n < 2 or args.warmup < 0 or not 0 < args.alpha < 1:
         parser.error("--n must be >= 2, --warmup >= 0, 0 < --alpha < 1")
-    out = Path(args.out)
-    print_kv("machine", machine_info(args.dir))
-    layout = small_layout(args.layers)
+    print_machine(args.dir)
+    layout = deepseek_layout(args.layers)
     print(
         f"victim prompt {args.tokens:,} tokens, MLA {args.layers} layers x 576 bf16 "
         f"({args.tokens * args.layers * 1152 / 1e6:.1f} MB of KV); {args.n} shared + {args.n} "
@@ -419,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"two-sample KS, shared vs fresh, two-sided asymptotic p; alpha = {args.alpha:g}")
     print(format_verdicts(verdicts))
     failures += [f"{v.scenario} {v.measure}: {v.text}" for v in verdicts if not v.passed]
-    plot(results, out / "timing_audit.png")
     samples = {
         r.spec.name: {
             "expected_shared_hit": r.expected_shared_hit,
@@ -427,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for r in results
     }
-    (out / "timing_audit.json").write_text(json.dumps(samples, indent=1), encoding="utf-8")
-    print(f"\nwrote {out / 'timing_audit.png'} and {out / 'timing_audit.json'}")
+    write_outputs(args.out, "timing_audit", samples, lambda png: plot(results, png), indent=1)
     print(f"took {time.perf_counter() - started:.0f} s")
     if failures:
         print("\nAUDIT FAILED:\n  " + "\n  ".join(failures))

@@ -31,15 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import finish_ab, format_stats_table, machine_info, median_bars, print_kv
-from fleet import DEFAULT_POSTGRES, PostgresSchema
+from _cli import add_postgres, bench_parser, finish_ab
+from _common import format_stats_table, print_machine
+from _fixtures import deepseek_layout, load_all, open_cache, postgres_schema, random_layers
+from _plots import median_bars, pyplot, save_figure
 
 import tenantkv
 from tenantkv.components.use_records import UseRecords
 
-HERE = Path(__file__).resolve().parent
 TOKENS = 64  # one block
-LAYOUT = tenantkv.KVLayout.mla(num_layers=1, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
+LAYOUT = deepseek_layout(1)
 BASELINE = "a transaction per load (before)"
 BATCHED = "batched"
 SAMPLE_S = 0.05  # backlog samples
@@ -86,9 +87,7 @@ def run_case(
         turn = offset
         while time.monotonic() < stop:
             ns, tokens = prefixes[turn % len(prefixes)]
-            with ns.load(tokens) as stream:
-                for _ in stream:
-                    pass
+            load_all(ns, tokens)
             turn += threads
             with lock:
                 done.append(time.monotonic())
@@ -125,9 +124,6 @@ def measure(
     database_url: str | None,
     args: argparse.Namespace,
 ) -> dict[str, dict[str, dict[str, list[float]]]]:
-    settings: dict[str, Any] = {"durable": False}
-    if database_url is not None:
-        settings["database_url"] = database_url
     workloads = {
         "one prefix": 1,
         f"{args.prefixes} prefixes in turn": args.prefixes,
@@ -137,7 +133,7 @@ def measure(
         workload: {case: {} for case in (BASELINE, BATCHED)} for workload in workloads
     }
     generator = torch.Generator().manual_seed(1)
-    with tenantkv.open(root, **settings) as kv:
+    with open_cache(root, database_url, durable=False) as kv:
         namespaces = []
         for tenant in range(args.tenants):
             kv.create_tenant(f"bench-{tenant}", quota_bytes=2**32)
@@ -149,8 +145,7 @@ def measure(
                 # The tenants' workload: one prefix in each; the others in the first tenant.
                 ns = namespaces[seed % 1_000] if "tenants" in workload else namespaces[0]
                 tokens = [seed * TOKENS + i for i in range(TOKENS)]
-                layer = torch.randn(TOKENS, 576, generator=generator).to(torch.bfloat16)
-                assert ns.store(tokens, [layer]) == TOKENS
+                assert ns.store(tokens, random_layers(LAYOUT, TOKENS, generator)) == TOKENS
                 stored[workload].append((ns, tokens))
         batched_record = kv.context.uses.record
         for round_index in range(args.rounds):
@@ -193,11 +188,7 @@ def report(results: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = [(index, workload) for index, workloads in results.items() for workload in workloads]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     width = 0.38
@@ -220,36 +211,31 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(f"{unit} (median, min-max)")
         ax.set_title(part)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__, data_dir=False)
+    parser.add_argument("--threads", type=int, default=4, help="loading threads")
     parser.add_argument("--seconds", type=float, default=3.0, help="loading time per case run")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--prefixes", type=int, default=64)
     parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--window", type=float, default=0.25, help="seconds per loads/s sample")
-    parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
-    parser.add_argument("--no-postgres", action="store_true", help="SQLite only")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    add_postgres(parser, "--no-postgres")
     args = parser.parse_args()
-    print_kv("Machine", machine_info(tempfile.gettempdir()))
+    print_machine(tempfile.gettempdir())
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tkv-uses-") as root:
         print("SQLite", flush=True)
         results["SQLite"] = measure(Path(root) / "sqlite", None, args)
     if not args.no_postgres:
-        schema = PostgresSchema(args.postgres)
-        try:
-            with tempfile.TemporaryDirectory(prefix="tkv-uses-") as root:
-                print("PostgreSQL", flush=True)
-                results["PostgreSQL"] = measure(Path(root) / "pg", schema.url, args)
-        finally:
-            schema.drop()
+        with (
+            postgres_schema(args.postgres) as url,
+            tempfile.TemporaryDirectory(prefix="tkv-uses-") as root,
+        ):
+            print("PostgreSQL", flush=True)
+            results["PostgreSQL"] = measure(Path(root) / "pg", url, args)
     verdicts = report(results)
     finish_ab(
         "Medians, batched / before (loads/s above 1: more; backlog below 1: shorter):",

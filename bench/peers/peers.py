@@ -31,9 +31,7 @@ import argparse
 import hashlib
 import json
 import os
-import pickle
 import platform
-import random
 import shutil
 import sys
 import tempfile
@@ -55,7 +53,16 @@ for p in (str(PEERS_DIR), str(PEERS_DIR.parent)):
 import report  # noqa: E402
 import systems as S  # noqa: E402
 from _common import GB, machine_info  # noqa: E402
-from store_load import VALUES_PER_TOKEN, VOCAB_SIZE, SegmentCipher, Shape  # noqa: E402
+from _fixtures import (  # noqa: E402
+    VALUES_PER_TOKEN,
+    deepseek_layout,
+    prefix_tokens,
+    random_layers,
+    same_bits,
+    tenant_namespace,
+    vllm_style_chain,
+)
+from store_load import SegmentCipher, Shape  # noqa: E402
 
 LAYERS = 61
 DEFAULT_TOKENS = (8192, 32768)
@@ -101,16 +108,11 @@ def verify(system: S.System, loaded: Any, want: Sequence[torch.Tensor], chunked:
         row = 0
         for part in parts:
             rows = part.shape[0]
-            if not S.same_bits(part, original[row : row + rows]):
+            if not same_bits(part, original[row : row + rows]):
                 raise AssertionError(f"{key(system)}: layer {layer} rows {row}.. differ")
             row += rows
         if row != original.shape[0] or (not chunked and len(parts) != 1):
             raise AssertionError(f"{key(system)}: layer {layer} has {row} rows")
-
-
-def prefix_tokens(seed: int, tokens: int) -> list[int]:
-    rng = random.Random(seed * 1_000_003 + tokens)
-    return [rng.randrange(VOCAB_SIZE) for _ in range(tokens)]
 
 
 def mem_available_gib() -> float:
@@ -181,9 +183,9 @@ def run_size(
         for b in bufs:
             b.view(torch.uint8).numpy().fill(0)
 
-    pool = S.Pool(threads, shape)
+    pool = S.LayerWorkers(threads, shape)
     # The ceiling on one thread too: how far decryption scales with threads in one process.
-    solo = S.Pool(1, shape) if threads > 1 else None
+    solo = S.LayerWorkers(1, shape) if threads > 1 else None
     lmc_system = S.System(
         "LMCache LocalDiskBackend",
         "lmcache",
@@ -383,18 +385,6 @@ def storage_read_bytes() -> int:
 # --------------------------------------------------------------------------- #
 
 
-def sha256_chain(tokens: Sequence[int], block: int, none_hash: bytes) -> list[bytes]:
-    """vLLM's chained block hash (``hash_block_tokens`` with ``sha256``): sha256 over the
-    pickle of (parent hash, the block's token ids, extra keys)."""
-    hashes: list[bytes] = []
-    parent = none_hash
-    for start in range(0, len(tokens) - block + 1, block):
-        data = pickle.dumps((parent, tuple(tokens[start : start + block]), None), protocol=5)
-        parent = hashlib.sha256(data).digest()
-        hashes.append(parent)
-    return hashes
-
-
 def measure_lookups(tenantkv: Any, workdir: Path, tokens: int, reps: int, seed: int) -> dict:
     """Min/median/max ms of each lookup over ``reps`` calls, after one untimed call each."""
     import lmcache_peer
@@ -406,8 +396,7 @@ def measure_lookups(tenantkv: Any, workdir: Path, tokens: int, reps: int, seed: 
     layout = tenantkv.KVLayout.mla(1, kv_lora_rank=32, rope_dim=32, dtype=S.DTYPE)
     results: dict[str, list[float]] = {}
     with tenantkv.open(workdir / "lookup") as kv:
-        kv.create_tenant("peers", quota_bytes=2**30)
-        ns = kv.namespace("peers", model="lookup", layout=layout)
+        ns = tenant_namespace(kv, "peers", layout, model="lookup", quota_bytes=2**30)
         steps = 8
         step = tokens // steps
         for i in range(steps):
@@ -422,7 +411,7 @@ def measure_lookups(tenantkv: Any, workdir: Path, tokens: int, reps: int, seed: 
     none_hash = hashlib.sha256(b"none").digest()
     blocks = tokens // 64
     results["sha256 chain, 64-token blocks (vLLM-style)"] = _time_calls(
-        lambda: len(sha256_chain(ids, 64, none_hash)) * 64, reps, blocks * 64
+        lambda: len(vllm_style_chain(ids, 64, none_hash, protocol=5)) * 64, reps, blocks * 64
     )
 
     chunks = tokens // lmcache_peer.CHUNK_TOKENS
@@ -483,13 +472,10 @@ def measure_tenants(
         work = []
         for t in range(TENANTS):
             name = f"tenant{t:02d}"
-            kv.create_tenant(name, quota_bytes=2 * shape.total_ct_bytes + 2**28)
-            ns = kv.namespace(name, model="deepseek-v3", layout=S.tenantkv_layout(tenantkv, LAYERS))
+            quota = 2 * shape.total_ct_bytes + 2**28
+            ns = tenant_namespace(kv, name, deepseek_layout(LAYERS), quota_bytes=quota)
             ids = prefix_tokens(seed + 100 + t, tokens)
-            want = [
-                torch.randn(tokens, VALUES_PER_TOKEN, generator=gen).to(S.DTYPE)
-                for _ in range(LAYERS)
-            ]
+            want = random_layers(deepseek_layout(LAYERS), tokens, gen)
             if ns.store(ids, want) != tokens:
                 raise RuntimeError(f"{name}: store did not store the prefix")
             work.append((ns, ids, want, [torch.zeros_like(w) for w in want]))
@@ -501,14 +487,14 @@ def measure_tenants(
                 for _ in stream:
                     pass
             for b, w in zip(bufs, want, strict=True):
-                if not S.same_bits(b, w):
+                if not same_bits(b, w):
                     raise AssertionError(f"tenant{t:02d}: first load differs from the original")
 
         for rep in range(reps):
             latencies, loaded_bytes, elapsed = run_window(work, shape.total_bytes, window)
             for t, (_ns, _ids, want, bufs) in enumerate(work):
                 for b, w in zip(bufs, want, strict=True):
-                    if not S.same_bits(b, w):
+                    if not same_bits(b, w):
                         raise AssertionError(f"tenant {t}: buffers differ after the window")
             total = sum(loaded_bytes)
             every = sorted(x for lat in latencies for x in lat)
@@ -570,7 +556,7 @@ def run_window(
                             loaded_bytes[t] += layer_bytes
                 latencies[t].append(time.perf_counter() - t0)
                 for b, w in zip(bufs, want, strict=True):
-                    if not (S.same_bits(b[0], w[0]) and S.same_bits(b[-1], w[-1])):
+                    if not (same_bits(b[0], w[0]) and same_bits(b[-1], w[-1])):
                         raise AssertionError(f"tenant {t}: a load returned wrong bytes")
         except BaseException as err:  # re-raised by the main thread
             errors.append(err)

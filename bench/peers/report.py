@@ -10,12 +10,19 @@ from __future__ import annotations
 import datetime as dt
 import os
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-GB = 1e9
+BENCH_DIR = Path(__file__).resolve().parent.parent
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+from _common import GB, tokens_label  # noqa: E402
+from _common import min_med_max as mmm  # noqa: E402
+from _plots import median_bars, pyplot, save_figure  # noqa: E402
 
 # The issue's targets (ratios of medians, measured at each size in one run).
 TARGET_VS_LMCACHE = 1.0  # tenantkv encrypted load / LMCache load >= 1
@@ -45,14 +52,6 @@ def label(s: Any) -> str:
 
 def gbps(s: Any, nbytes: int) -> list[float]:
     return [nbytes / x / GB for x in s.seconds]
-
-
-def mmm(values: Sequence[float]) -> tuple[float, float, float]:
-    return min(values), statistics.median(values), max(values)
-
-
-def size_label(tokens: int) -> str:
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def find(run: Any, group: str, startswith: str = "") -> list[Any]:
@@ -148,7 +147,6 @@ def targets(run: Any) -> list[Target]:
     """Every target's verdict at one size (see :class:`Target`)."""
     nbytes = run.shape.total_bytes
     lmc = find(run, "lmcache")[0]
-    lmc_gbps = statistics.median(gbps(lmc, nbytes))
     lmc_ttfl = statistics.median(lmc.first_layer)
     out: list[Target] = []
 
@@ -157,42 +155,28 @@ def targets(run: Any) -> list[Target]:
         theirs = round_values(run, s, values(base))
         return [a / b for a, b in zip(values(s), theirs, strict=False)] if theirs else []
 
-    def speed_rounds(s: Any, base: Any, goal: float) -> str:
+    def speed_target(what: str, s: Any, base: Any, goal: float, target: str) -> Target:
+        """``s``'s median GB/s over ``base``'s, which must be at least ``goal``."""
+        r = statistics.median(gbps(s, nbytes)) / statistics.median(gbps(base, nbytes))
         ratios = round_ratios(s, base, lambda system: gbps(system, nbytes))
-        return per_round(ratios, lambda r: r >= goal)
+        rounds = per_round(ratios, lambda x: x >= goal)
+        return Target(what, r, target, verdict(r >= goal), conditions(nbytes, s, base), rounds)
 
     ceilings = find(run, "decrypt-ceiling")
     if ceilings:
         # Not a target of its own: the bound on the first one (the faster thread count). Below
         # 1, no encrypted load (which must also read) can reach LMCache's on this machine.
         ceiling = max(ceilings, key=lambda s: statistics.median(gbps(s, nbytes)))
-        r = statistics.median(gbps(ceiling, nbytes)) / lmc_gbps
-        out.append(
-            Target(
-                "bound: decrypt-only ceiling (no reads) / LMCache load",
-                r,
-                ">= 1 for the load target to be reachable",
-                verdict(r >= TARGET_VS_LMCACHE),
-                conditions(nbytes, ceiling, lmc),
-                speed_rounds(ceiling, lmc, TARGET_VS_LMCACHE),
-            )
-        )
+        what = "bound: decrypt-only ceiling (no reads) / LMCache load"
+        reachable = ">= 1 for the load target to be reachable"
+        out.append(speed_target(what, ceiling, lmc, TARGET_VS_LMCACHE, reachable))
     tkv = find(run, "tenantkv")
     suites = sorted({s.name.split(",")[0] for s in tkv})
     for suite in suites:
         by_mode = {s.name.split(", ")[1]: s for s in tkv if s.name.split(",")[0] == suite}
         for mode, s in by_mode.items():
-            r = statistics.median(gbps(s, nbytes)) / lmc_gbps
-            out.append(
-                Target(
-                    f"{suite} {mode}: load / LMCache load",
-                    r,
-                    ">= 1",
-                    verdict(r >= TARGET_VS_LMCACHE),
-                    conditions(nbytes, s, lmc),
-                    speed_rounds(s, lmc, TARGET_VS_LMCACHE),
-                )
-            )
+            what = f"{suite} {mode}: load / LMCache load"
+            out.append(speed_target(what, s, lmc, TARGET_VS_LMCACHE, ">= 1"))
         for mode, s in by_mode.items():
             r = statistics.median(s.first_layer) / lmc_ttfl
             ratios = round_ratios(s, lmc, lambda system: system.first_layer)
@@ -208,17 +192,8 @@ def targets(run: Any) -> list[Target]:
             )
         if "out=" in by_mode and "fresh kept" in by_mode:
             fresh, with_out = by_mode["fresh kept"], by_mode["out="]
-            r = statistics.median(gbps(fresh, nbytes)) / statistics.median(gbps(with_out, nbytes))
-            out.append(
-                Target(
-                    f"{suite}: fresh kept / out=",
-                    r,
-                    ">= 0.8",
-                    verdict(r >= TARGET_FRESH_VS_OUT),
-                    conditions(nbytes, fresh, with_out),
-                    speed_rounds(fresh, with_out, TARGET_FRESH_VS_OUT),
-                )
-            )
+            what = f"{suite}: fresh kept / out="
+            out.append(speed_target(what, fresh, with_out, TARGET_FRESH_VS_OUT, ">= 0.8"))
     return out
 
 
@@ -263,7 +238,7 @@ def format_size_table(run: Any) -> str:
 def print_size(run: Any) -> None:
     print()
     print(
-        f"{size_label(run.shape.tokens)} tokens: {run.shape.total_bytes / 1e6:.1f} MB, "
+        f"{tokens_label(run.shape.tokens)} tokens: {run.shape.total_bytes / 1e6:.1f} MB, "
         f"{len(run.systems[0].seconds)} rounds (median TTFL; ratios of median GB/s)"
     )
     print(format_size_table(run))
@@ -283,21 +258,12 @@ def print_size(run: Any) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_loads(sizes: Sequence[dict[str, Any]], path: Path) -> None:
     """Throughput and TTFL per system and size, from the rows :func:`size_rows` made (or the
     same rows read back from peers.json). The x axis of throughput stops at 1.25x the fastest
     system that really copies bytes: the LAZY mmap and the zero-copy touch run off the scale,
     their medians written at the edge."""
-    plt = _plt()
+    plt = pyplot()
     n_sys = len(sizes[0]["systems"])
     fig, axes = plt.subplots(len(sizes), 2, figsize=(17, 0.42 * n_sys * len(sizes) + 2.2))
     if len(sizes) == 1:
@@ -342,7 +308,7 @@ def plot_loads(sizes: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_yticks(y, names, fontsize=7)
         ax.set_xlabel("load GB/s (median; bars = min/max); hatched: LAZY or cold reads")
         ax.set_title(
-            f"{size_label(size['tokens'])} tokens x 61 layers: load throughput", fontsize=9
+            f"{tokens_label(size['tokens'])} tokens x 61 layers: load throughput", fontsize=9
         )
         ax.grid(axis="x", alpha=0.3)
         ax = axes[row][1]
@@ -357,22 +323,15 @@ def plot_loads(sizes: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel("time to first usable layer, ms (log; median, bars = min/max)")
         ax.set_title("time to first layer (LMCache, torch.load: whole load)", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_lookups(lookups: dict[str, list[float]], tokens: int, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     names = list(lookups)
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
     y = list(range(len(names)))[::-1]
-    med = [statistics.median(lookups[n]) for n in names]
-    err = [
-        [m - min(lookups[n]) for m, n in zip(med, names, strict=True)],
-        [max(lookups[n]) - m for m, n in zip(med, names, strict=True)],
-    ]
-    ax.barh(y, med, xerr=err, color="#1f77b4", edgecolor="black", capsize=3)
+    median_bars(ax, y, [lookups[n] for n in names], horizontal=True, color="#1f77b4")
     ax.axvline(
         TARGET_LOOKUP_MS, color="red", linestyle="--", label=f"target {TARGET_LOOKUP_MS:g} ms"
     )
@@ -380,13 +339,11 @@ def plot_lookups(lookups: dict[str, list[float]], tokens: int, path: Path) -> No
     ax.set_xlabel("ms (median; bars = min/max)")
     ax.set_title(f"lookup of a {tokens:,}-token prompt, all hits", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_tenants(tenants: dict[str, Any], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     reps = tenants["reps"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     n = len(reps[0]["shares"])
@@ -413,9 +370,7 @@ def plot_tenants(tenants: dict[str, Any], path: Path) -> None:
     b.set_ylabel("per-load latency, ms")
     b.set_title("per-load latency and aggregate throughput", fontsize=9)
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # --------------------------------------------------------------------------- #
@@ -512,7 +467,7 @@ def build(
     data: dict[str, Any] = {"info": info, "args": args, "command": command, "sizes": []}
 
     for run in runs:
-        lab = size_label(run.shape.tokens)
+        lab = tokens_label(run.shape.tokens)
         rows = size_rows(run)
         md += [
             f"## Load: {lab} tokens ({run.shape.total_bytes / 1e6:,.1f} MB)",

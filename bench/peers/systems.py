@@ -18,15 +18,12 @@ import gc
 import os
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
@@ -34,14 +31,8 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 from _common import preadv_full, pwrite_full  # noqa: E402
-from store_load import (  # noqa: E402
-    DTYPE,
-    KV_LORA_RANK,
-    ROPE_DIM,
-    SegmentCipher,
-    Shape,
-    split,
-)
+from _fixtures import DTYPE, byte_view, deepseek_layout, same_bits, tenant_namespace  # noqa: E402
+from store_load import LayerWorkers, SegmentCipher, Shape, aes_load, split  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -133,22 +124,6 @@ def write_layer_files(
     return want, offsets
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, on the calling thread (numpy), not with ``torch.equal``: that runs on
-    torch's OpenMP pool, whose threads spin for a few ms after it returns and, on a machine of
-    two cores, take one from the next system's timed load (8K, tenantkv ``out=``, medians of
-    12 alternating loads right after a ``torch.equal`` of every layer: layer 0 took 5.1 ms,
-    against 1.9-2.4 back to back, 2.2 when 20 ms passed after the check, and 2.6 with
-    ``OMP_WAIT_POLICY=PASSIVE``)."""
-    return tuple(a.shape) == tuple(b.shape) and bool(
-        np.array_equal(a.view(torch.int16).numpy(), b.view(torch.int16).numpy())
-    )
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
 def write_encrypted_file(
     path: Path, want: Sequence[torch.Tensor], shape: Shape, cipher: SegmentCipher
 ) -> None:
@@ -158,57 +133,10 @@ def write_encrypted_file(
         scratch = memoryview(bytearray(shape.layer_ct_bytes))
         segments = split(scratch, shape.ct_spans)
         for layer, plain in enumerate(want):
-            src = split(byte_view(plain.contiguous()), shape.pt_spans)
-            for b, out in enumerate(segments):
-                cipher.aead.encrypt_into(
-                    cipher.nonces[layer][b], src[b], cipher.aads[layer][b], out
-                )
+            cipher.seal_layer(layer, split(byte_view(plain.contiguous()), shape.pt_spans), segments)
             pwrite_full(fd, scratch, layer * shape.layer_ct_bytes)
     finally:
         os.close(fd)
-
-
-# --------------------------------------------------------------------------- #
-# Thread pools that exist before any timed region
-# --------------------------------------------------------------------------- #
-
-
-class Pool:
-    """One thread per core, started up front; each thread owns a one-layer ciphertext buffer."""
-
-    def __init__(self, threads: int, shape: Shape) -> None:
-        self.threads = threads
-        self._shape = shape
-        self._local = threading.local()
-        self._executor = ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="peers", initializer=self._init
-        )
-        started = threading.Barrier(threads)
-        list(self._executor.map(lambda _: started.wait(timeout=60), range(threads)))
-
-    def _init(self) -> None:
-        whole = memoryview(bytearray(self._shape.layer_ct_bytes))
-        self._local.whole = whole
-        self._local.segments = split(whole, self._shape.ct_spans)
-
-    def scratch(self) -> tuple[memoryview, list[memoryview]]:
-        return self._local.whole, self._local.segments
-
-    def each_layer(self, task: Callable[[int], None], layers: int) -> float:
-        """Run ``task(layer)`` for every layer; return when layer 0 was done (perf_counter)."""
-        first = [0.0]
-
-        def wrapped(layer: int) -> None:
-            task(layer)
-            if layer == 0:
-                first[0] = time.perf_counter()
-
-        for _ in self._executor.map(wrapped, range(layers)):
-            pass
-        return first[0]
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -220,7 +148,7 @@ def raw_systems(
     fds: Sequence[int],
     offsets: Sequence[int],
     bufs: Sequence[torch.Tensor],
-    pool: Pool,
+    pool: LayerWorkers,
     zero: Callable[[], None],
 ) -> list[System]:
     """``os.preadv`` of each layer's bytes (the safetensors files' data) into ``bufs``."""
@@ -241,7 +169,7 @@ def raw_systems(
         def task(layer: int) -> None:
             preadv_full(fds[layer], views[layer], offsets[layer])
 
-        first = pool.each_layer(task, len(views))
+        first = pool.run(task, len(views))
         return bufs, first - t0, time.perf_counter() - t0
 
     return [
@@ -262,53 +190,26 @@ def encrypted_limit_system(
     bufs: Sequence[torch.Tensor],
     shape: Shape,
     cipher: SegmentCipher,
-    pool: Pool,
+    pool: LayerWorkers,
     zero: Callable[[], None],
 ) -> System:
-    """bench/streaming.py's limit: per layer one ``preadv`` of its ciphertext + decrypt_into."""
-    decrypt_layer = _layer_decrypter(bufs, shape, cipher)
+    """bench/streaming.py's limit (store_load's ``aes_load``): per layer one ``preadv`` of its
+    ciphertext + decrypt_into."""
+    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
 
-    def task(layer: int) -> None:
-        whole, segments = pool.scratch()
-        preadv_full(fd, whole, layer * shape.layer_ct_bytes)
-        decrypt_layer(layer, segments)
+    def run() -> tuple[Loaded, float, float]:
+        t0 = time.perf_counter()
+        first = aes_load(fd, dst, cipher, pool, shape)
+        return bufs, first - t0, time.perf_counter() - t0
 
     return System(
         "encrypted limit: preadv + AES-GCM decrypt_into",
         "encrypted-limit",
-        _each_layer_on(pool, task, shape, bufs),
+        run,
         per_layer,
         prepare=zero,
         note=f"{pool.threads} threads",
     )
-
-
-def _layer_decrypter(
-    bufs: Sequence[torch.Tensor], shape: Shape, cipher: SegmentCipher
-) -> Callable[[int, Sequence[memoryview]], None]:
-    """``decrypt(layer, sealed_segments)``: a layer's segments opened into ``bufs[layer]``."""
-    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
-    decrypt_into = cipher.aead.decrypt_into
-
-    def decrypt(layer: int, segments: Sequence[memoryview]) -> None:
-        out, nonces, aads = dst[layer], cipher.nonces[layer], cipher.aads[layer]
-        for b, seg in enumerate(segments):
-            decrypt_into(nonces[b], seg, aads[b], out[b])
-
-    return decrypt
-
-
-def _each_layer_on(
-    pool: Pool, task: Callable[[int], None], shape: Shape, bufs: Sequence[torch.Tensor]
-) -> Callable[[], tuple[Loaded, float, float]]:
-    """A system's ``run``: ``task`` for every layer on ``pool``, timed to layer 0 and to all."""
-
-    def run() -> tuple[Loaded, float, float]:
-        t0 = time.perf_counter()
-        first = pool.each_layer(task, shape.layers)
-        return bufs, first - t0, time.perf_counter() - t0
-
-    return run
 
 
 def decrypt_ceiling_systems(
@@ -316,7 +217,7 @@ def decrypt_ceiling_systems(
     bufs: Sequence[torch.Tensor],
     shape: Shape,
     cipher: SegmentCipher,
-    pools: Sequence[Pool],
+    pools: Sequence[LayerWorkers],
     zero: Callable[[], None],
 ) -> list[System]:
     """The bound on any encrypted load on this machine: the encrypted limit's decryption with
@@ -329,12 +230,23 @@ def decrypt_ceiling_systems(
         whole = memoryview(bytearray(shape.layer_ct_bytes))
         preadv_full(fd, whole, layer * shape.layer_ct_bytes)
         held.append(split(whole, shape.ct_spans))
-    decrypt_layer = _layer_decrypter(bufs, shape, cipher)
+    dst = [split(byte_view(b), shape.pt_spans) for b in bufs]
+
+    def decrypt_held(pool: LayerWorkers) -> Callable[[], tuple[Loaded, float, float]]:
+        def run() -> tuple[Loaded, float, float]:
+            t0 = time.perf_counter()
+            first = pool.run(
+                lambda layer: cipher.open_layer(layer, held[layer], dst[layer]), shape.layers
+            )
+            return bufs, first - t0, time.perf_counter() - t0
+
+        return run
+
     return [
         System(
             "decrypt-only ceiling: AES-GCM decrypt_into from memory, no reads",
             "decrypt-ceiling",
-            _each_layer_on(pool, lambda layer: decrypt_layer(layer, held[layer]), shape, bufs),
+            decrypt_held(pool),
             per_layer,
             prepare=zero,
             note="1 thread" if pool.threads == 1 else f"{pool.threads} threads",
@@ -435,12 +347,6 @@ def torch_save_system(path: Path) -> System:
 # --------------------------------------------------------------------------- #
 
 
-def tenantkv_layout(tenantkv: Any, layers: int) -> Any:
-    return tenantkv.KVLayout.mla(
-        num_layers=layers, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, dtype=DTYPE
-    )
-
-
 def suite_names(tenantkv: Any) -> list[str]:
     """Every cipher suite the project offers (``tenantkv.crypto.CipherSuite``), by config name."""
     from tenantkv.crypto import CipherSuite
@@ -465,11 +371,10 @@ class TenantkvPrefix:
         self.suite = suite if block_tokens is None else f"{suite} {block_tokens}-token blocks"
         self.root = root
         self.kv = tenantkv.open(root, suite=suite)
-        self.kv.create_tenant("peers", quota_bytes=4 * shape.total_ct_bytes + 2**30)
         blocks = {} if block_tokens is None else {"block_tokens": block_tokens}
-        self.ns = self.kv.namespace(
-            "peers", model="deepseek-v3", layout=tenantkv_layout(tenantkv, shape.layers), **blocks
-        )
+        quota = 4 * shape.total_ct_bytes + 2**30
+        layout = deepseek_layout(shape.layers)
+        self.ns = tenant_namespace(self.kv, "peers", layout, quota_bytes=quota, **blocks)
         stored = self.ns.store(tokens, list(want))
         found = self.ns.lookup(tokens)
         if stored != shape.tokens or found != shape.tokens:
