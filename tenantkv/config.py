@@ -103,6 +103,11 @@ class CacheConfig:
     #: queued behind each other on one CPU for milliseconds while another idled. Turn off where
     #: busy threads of the embedding process are pinned to the same CPUs.
     pin_workers: bool = True
+    #: Hold loader workers back for a caller blocked on layer 0 until it has the layer (at most
+    #: ~2.5 ms; ``tenantkv.datapath.worker_hold``). Off: it saved ~0.3 ms of the first layer
+    #: on 2-core machines only, and nothing within noise with a caller that computes between
+    #: layers or inside vLLM (docs/perf.md).
+    hold_workers_for_first_layer: bool = False
     #: Layers a load keeps ready ahead of its caller, and a store seals ahead of its writes.
     window: int | None = None
     #: Host memory all loads use for ciphertext in flight, in slots of ``staging_slot_bytes``.
@@ -161,10 +166,11 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
-        if not isinstance(self.pin_workers, bool):
-            raise InvalidRequestError(
-                f"pin_workers must be True or False, got {self.pin_workers!r}"
-            )
+        for name in ("pin_workers", "hold_workers_for_first_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
         for name in ("map_reads", "direct_writes"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -286,6 +292,7 @@ _BOOLS = {
     "strict",
     "metrics_tenant_labels",
     "pin_workers",
+    "hold_workers_for_first_layer",
 }
 
 
