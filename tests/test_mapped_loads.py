@@ -8,7 +8,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from queue import SimpleQueue
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,8 +18,9 @@ from hypothesis import strategies as st
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
-from tenantkv.datapath import loader as loader_module
+from tenantkv.datapath import chunk_io
 from tenantkv.datapath.extent_format import HEADER_BYTES
+from tenantkv.datapath.worker_hold import FirstLayerHold
 from tenantkv.storage import LocalBlockStore
 from tenantkv.storage import local as local_module
 from tenantkv.storage.local import MAPPED_SEGMENT_BYTES, file_system_type
@@ -164,15 +164,15 @@ def _slow_workers(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     finds chunks of it untaken; return the set of threads that opened chunks."""
     caller = threading.get_ident()
     opened: set[int] = set()
-    open_chunk = loader_module.LoadStream._open_chunk
+    open_chunk = chunk_io.ChunkOpener.open
 
-    def recording(stream: Any, layer: int, work: Any, slot: Any) -> Any:
+    def recording(opener: Any, *args: Any, **kw: Any) -> Any:
         opened.add(threading.get_ident())
         if threading.get_ident() != caller:
             time.sleep(0.04)
-        return open_chunk(stream, layer, work, slot)
+        return open_chunk(opener, *args, **kw)
 
-    monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", recording)
+    monkeypatch.setattr(chunk_io.ChunkOpener, "open", recording)
     return opened
 
 
@@ -235,17 +235,22 @@ def test_a_damaged_chunk_the_caller_opens_fails_the_load(
     assert ns.lookup(tokens) == 0
 
 
-# ---- segments opened in groups (a caller woken for layer 0 gets the GIL between them) --------
+# ---- segments opened in groups (the opt-in hold: a caller woken for layer 0 gets the GIL) ----
+
+
+def _hold_workers(kv: TenantKV, segments: int) -> None:
+    """Opt ``kv``'s loads in to the hold (``worker_hold.py``), opening ``segments`` at a time."""
+    kv.context.runtime.load_executor.first_layer_hold = FirstLayerHold(segments=segments)
 
 
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("layout", [MLA, MHA], ids=["mla", "mha"])
 def test_chunks_opened_in_groups_of_segments_load_the_stored_bytes(
-    cache: TenantKV, layout: KVLayout, group: int, monkeypatch: pytest.MonkeyPatch
+    cache: TenantKV, layout: KVLayout, group: int
 ) -> None:
     """Groups smaller than every chunk: each chunk is opened group by group (the last group
     short where the count does not divide), and the bytes are the stored ones."""
-    monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", group)
+    _hold_workers(cache, group)
     ns = cache.namespace("acme", model="m", layout=layout)
     tokens = random_tokens(TOKENS, seed=15)
     want = random_layers(layout, TOKENS, seed=16)
@@ -254,10 +259,8 @@ def test_chunks_opened_in_groups_of_segments_load_the_stored_bytes(
     assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_a_flipped_bit_in_a_later_group_fails_to_open(
-    cache: TenantKV, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", 2)
+def test_a_flipped_bit_in_a_later_group_fails_to_open(cache: TenantKV, tmp_path: Path) -> None:
+    _hold_workers(cache, 2)
     ns = cache.namespace("acme", model="m", layout=MLA)
     tokens = random_tokens(TOKENS, seed=17)
     want = random_layers(MLA, TOKENS, seed=18)
@@ -281,64 +284,67 @@ class _RecordingCipher:
         self.log.append(("open", first, len(outs)))
 
 
-class _RecordingEvent:
-    """``_workers_free``: ``running`` False while workers are held for a caller; a ``wait``
-    is the caller coming back for a later layer, which ends the hold."""
+class _Caller:
+    """Whether workers are held for a caller (a deadline, or None), as the stream keeps it;
+    a pause is the caller coming back for a later layer, which ends the hold."""
 
-    def __init__(self, log: list[tuple[str, int, int]], running: bool) -> None:
+    def __init__(self, log: list[tuple[str, int, int]], held_until: float | None) -> None:
         self.log = log
-        self.running = running
+        self.held_until = held_until
+        self.policy = FirstLayerHold(segments=2)
 
-    def is_set(self) -> bool:
-        return self.running
-
-    def wait(self, timeout: float) -> bool:
-        assert 0 < timeout <= loader_module.FIRST_LAYER_HANDOVER_S
-        self.log.append(("pause", 0, 0))
-        self.running = True
-        return True
+    def pause(self, layer: int) -> None:
+        now = time.monotonic()
+        wait = self.policy.pause_s(
+            layer=layer, held_until=self.held_until, now=now, waiting_tasks=0
+        )
+        if wait > 0:
+            assert wait <= self.policy.handover_s
+            self.log.append(("pause", 0, 0))
+            self.held_until = None
 
 
 class _HoldingCipher(_RecordingCipher):
     """Opens like ``_RecordingCipher``; workers are held for a caller after its first group
     (layer 0 completed for a blocked caller while this worker opened a chunk of layer 1)."""
 
-    def __init__(self, log: list[tuple[str, int, int]], event: _RecordingEvent) -> None:
+    def __init__(self, log: list[tuple[str, int, int]], caller: _Caller) -> None:
         super().__init__(log)
-        self.event = event
+        self.caller = caller
 
     def open_many_into(
         self, first: int, layer: int, keys: Any, sealed: memoryview, outs: list[Any]
     ) -> None:
         super().open_many_into(first, layer, keys, sealed, outs)
         if len(self.log) == 1:
-            self.event.running = False
+            self.caller.held_until = time.monotonic() + self.caller.policy.handover_s
 
 
 @pytest.mark.parametrize("case", ["free", "held", "held after a group", "hold expired"])
-def test_workers_pause_between_groups_only_while_held_for_a_caller(
-    monkeypatch: pytest.MonkeyPatch, case: str
-) -> None:
+def test_workers_pause_between_groups_only_while_held_for_a_caller(case: str) -> None:
     """While workers are held for a caller blocked on layer 0 (and the hold's bound has not
     passed), a worker pauses before its next group of segments of a later layer until the
     caller comes back; otherwise it opens its chunk group after group without a pause."""
-    monkeypatch.setattr(loader_module, "HANDOVER_SEGMENTS", 2)
     log: list[tuple[str, int, int]] = []
-    stream = object.__new__(loader_module.LoadStream)  # only the fields _open_segments reads
-    event = _RecordingEvent(log, running=case in ("free", "held after a group"))
-    stream._workers_free = event  # type: ignore[assignment]
-    bound = loader_module.FIRST_LAYER_HANDOVER_S
-    stream._hold_deadline = time.monotonic() + (-1.0 if case == "hold expired" else bound)
-    stream._pool = SimpleNamespace()  # type: ignore[assignment]  # no task waits for a thread
-    cipher = _HoldingCipher(log, event) if case == "held after a group" else _RecordingCipher(log)
+    bound = FirstLayerHold().handover_s
+    held_until = {
+        "free": None,
+        "held": time.monotonic() + bound,
+        "held after a group": None,
+        "hold expired": time.monotonic() - 1.0,
+    }[case]
+    caller = _Caller(log, held_until)
+    cipher = _HoldingCipher(log, caller) if case == "held after a group" else _RecordingCipher(log)
     # 5 segments of 10 sealed bytes, from slot 7 of layer 1: groups of 2, 2 and 1
     work = SimpleNamespace(chunk=SimpleNamespace(slot=7), keys=[b"k"] * 5)
-    stream._open_segments(
+    chunk_io.open_segments(
         cipher,  # type: ignore[arg-type]
         1,
         work,  # type: ignore[arg-type]
         memoryview(bytes(50)),
         [memoryview(bytearray(4))] * 5,
+        group=caller.policy.segments,
+        pause=caller.pause,
     )
     opens = [("open", 7, 2), ("open", 9, 2), ("open", 11, 1)]
     pause = ("pause", 0, 0)
@@ -357,16 +363,14 @@ def test_a_held_worker_does_not_pause_while_other_tasks_wait_for_its_thread(
 ) -> None:
     """Held for a caller, a worker pauses (until the caller is back); but not while another
     load's task waits for a loader thread, which the paused worker would keep from it."""
-    log: list[tuple[str, int, int]] = []
-    stream = object.__new__(loader_module.LoadStream)  # only the fields _pause_for_caller reads
-    stream._workers_free = _RecordingEvent(log, running=False)  # type: ignore[assignment]
-    stream._hold_deadline = time.monotonic() + loader_module.FIRST_LAYER_HANDOVER_S
-    queue: SimpleQueue[object] = SimpleQueue()
-    if backlog:
-        queue.put(object())
-    stream._pool = SimpleNamespace(_work_queue=queue)  # type: ignore[assignment]
-    stream._pause_for_caller()
-    assert log == ([] if backlog else [("pause", 0, 0)])
+    policy = FirstLayerHold()
+    now = time.monotonic()
+    pause = policy.pause_s(
+        layer=1, held_until=now + policy.handover_s, now=now, waiting_tasks=int(backlog)
+    )
+    assert (pause > 0) is not backlog
+    if not backlog:
+        assert pause == pytest.approx(policy.handover_s)
 
 
 @pytest.mark.usefixtures("index")
@@ -502,7 +506,7 @@ def test_a_durable_cache_maps_large_segments_from_the_second_load(
 
 
 def test_merged_joins_spans_that_touch_or_overlap() -> None:
-    merged = loader_module._merged
+    merged = chunk_io.merged_spans
     assert merged([]) == []
     assert merged([(10, 20), (0, 10), (30, 40), (15, 25)]) == [(0, 25), (30, 40)]
     assert merged([(5, 6)]) == [(5, 6)]
@@ -515,7 +519,7 @@ _SPANS = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=12)
 @given(_SPANS)
 def test_merged_spans_cover_exactly_what_the_spans_cover(pieces: list[tuple[int, int]]) -> None:
     spans = [(5 * start, 5 * (start + length)) for start, length in pieces]
-    merged = loader_module._merged(spans)
+    merged = chunk_io.merged_spans(spans)
     covered = {i for start, end in spans for i in range(start, end)}  # the model: a set
     assert {i for start, end in merged for i in range(start, end)} == covered
     # sorted, and apart: two spans that touched would have been one
@@ -537,22 +541,22 @@ def test_a_mapped_load_drops_what_it_opened_in_batches(
         segment = 64 * MLA.token_bytes + 16
         segments = TOKENS // 64 * MLA.num_layers * segment  # the extent's bytes after its header
         threshold = {"per chunk": 1, "two chunks": 2 * 5 * segment, "never": segments + 1}[batch]
-        monkeypatch.setattr(loader_module, "MAPPED_DROP_BYTES", threshold)
+        monkeypatch.setattr(chunk_io, "MAPPED_DROP_BYTES", threshold)
         dropped: list[tuple[int, int]] = []
         opened: list[int] = []
         done_with = local_module._LocalReader.done_with
-        open_chunk = loader_module.LoadStream._open_chunk
+        open_chunk = chunk_io.ChunkOpener.open
 
         def recording(reader: Any, offset: int, length: int) -> None:
             dropped.append((offset, offset + length))
             done_with(reader, offset, length)
 
-        def counting(stream: Any, layer: int, work: Any, slot: Any) -> Any:
+        def counting(opener: Any, layer: int, work: Any, *args: Any, **kw: Any) -> Any:
             opened.append(work.size)
-            return open_chunk(stream, layer, work, slot)
+            return open_chunk(opener, layer, work, *args, **kw)
 
         monkeypatch.setattr(local_module._LocalReader, "done_with", recording)
-        monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", counting)
+        monkeypatch.setattr(chunk_io.ChunkOpener, "open", counting)
         got = load_all(ns, tokens)
         assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
-from tenantkv.datapath import loader as loader_module
+from tenantkv.datapath import chunk_io
+from tenantkv.datapath.worker_hold import FirstLayerHold
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 from tests.indexes import Index
 
@@ -320,6 +322,26 @@ def two_threads(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
         cache.close()
 
 
+@pytest.fixture
+def two_threads_held(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
+    """``two_threads`` with the hold opted in, and staged reads (the caller never opens a
+    chunk itself: a worker completes layer 0 for it)."""
+    cache = tenantkv.open(
+        tmp_path / "cache",
+        durable=False,
+        workers=2,
+        load_threads=2,
+        staging_slot_bytes=2 * SEGMENT,
+        staging_bytes=4 * 2 * SEGMENT,
+        map_reads=False,
+        hold_workers_for_first_layer=True,
+    )
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
 def _two_prefixes(kv: TenantKV) -> list[tuple[tenantkv.Namespace, list[int], list[Any]]]:
     layout = KVLayout.mla(12, kv_lora_rank=48, rope_dim=16, dtype=torch.bfloat16)
     stored = []
@@ -369,25 +391,44 @@ def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it(two_threads: Tenan
         stream.wait_for_layer(0)
 
 
-def test_the_pause_after_layer_0_ends_when_the_caller_runs(
-    kv: TenantKV, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _hold_workers(kv: TenantKV, policy: FirstLayerHold) -> None:
+    """Opt ``kv``'s loads in to holding workers for a caller blocked on layer 0, by
+    ``policy`` (``hold_workers_for_first_layer=True`` with bounds of the test's own)."""
+    pool = kv.context.runtime.load_executor
+    assert pool.first_layer_hold is not None  # opened with hold_workers_for_first_layer=True
+    pool.first_layer_hold = policy
+
+
+@pytest.fixture
+def held(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
+    """A cache with the hold opted in and staged reads: chunks need a staging slot, so the
+    caller never opens one itself, and a worker completes layer 0 for a blocked caller."""
+    cache = tenantkv.open(
+        tmp_path / "cache", durable=False, map_reads=False, hold_workers_for_first_layer=True
+    )
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
+def test_the_pause_after_layer_0_ends_when_the_caller_runs(held: TenantKV) -> None:
     """Workers are held while a blocked caller takes layer 0, until it comes back for another
     layer. With the bound raised to a minute, loads still finish at once: the caller, not the
     bound, ends the pause. (And workers were held: a positive control.)"""
-    monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
     holds: list[float] = []
-    hold_workers = loader_module.LoadStream._hold_workers
 
-    def recording(stream: loader_module.LoadStream, bound: float) -> None:
-        holds.append(bound)
-        hold_workers(stream, bound)
+    class Recording(FirstLayerHold):
+        def after_complete(self, *, layer: int, waiting_for: int, now: float) -> float | None:
+            deadline = FirstLayerHold.after_complete(
+                self, layer=layer, waiting_for=waiting_for, now=now
+            )
+            if deadline is not None:
+                holds.append(round(deadline - now, 6))
+            return deadline
 
-    monkeypatch.setattr(loader_module.LoadStream, "_hold_workers", recording)
-    # A caller that opens chunks of layer 0 itself often completes it; here it only waits, so
-    # that a worker completes layer 0 for a blocked caller every time.
-    monkeypatch.setattr(loader_module.LoadStream, "_help_with", lambda stream, index: False)
-    ((ns, tokens, layers), _) = _two_prefixes(kv)
+    _hold_workers(held, Recording(handover_s=60.0))
+    ((ns, tokens, layers), _) = _two_prefixes(held)
     started = time.monotonic()
     for _ in range(5):
         with ns.load(tokens) as stream:
@@ -399,49 +440,54 @@ def test_the_pause_after_layer_0_ends_when_the_caller_runs(
 
 
 def test_workers_hold_later_layers_back_while_the_caller_waits_for_layer_0(
-    two_threads: TenantKV, monkeypatch: pytest.MonkeyPatch
+    two_threads_held: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once layer 0's last chunk is taken and the caller is blocked on it, a worker with
     nothing left of layer 0 opens no chunk of layer 1 until the caller has layer 0 and comes
     back: a third busy thread would take the core the caller wakes to (docs/perf.md). With the
     bounds raised to a minute, the caller, not a bound, ends the hold."""
-    monkeypatch.setattr(loader_module, "FIRST_LAYER_TAIL_S", 60.0)
-    monkeypatch.setattr(loader_module, "FIRST_LAYER_HANDOVER_S", 60.0)
-    monkeypatch.setattr(loader_module.LoadStream, "_help_with", lambda stream, index: False)
+    paused: list[bool] = []
+
+    class Recording(FirstLayerHold):
+        def pause_s(
+            self, *, layer: int, held_until: float | None, now: float, waiting_tasks: int
+        ) -> float:
+            pause = FirstLayerHold.pause_s(
+                self, layer=layer, held_until=held_until, now=now, waiting_tasks=waiting_tasks
+            )
+            paused.append(pause > 0)
+            return pause
+
+    _hold_workers(two_threads_held, Recording(tail_s=60.0, handover_s=60.0))
     opened: list[tuple[int, float]] = []
-    open_chunk = loader_module.LoadStream._open_chunk
+    open_chunk = chunk_io.ChunkOpener.open
+    blocks = 8  # _two_prefixes stores 8 blocks
 
     def slow_layer_0(
-        stream: loader_module.LoadStream, layer: int, work: Any, slot: Any
-    ) -> BaseException | None:
+        opener: chunk_io.ChunkOpener, layer: int, work: chunk_io.Work, *args: Any, **kw: Any
+    ) -> Any:
         opened.append((layer, time.monotonic()))
         if layer == 0:
             # Layer 0's last chunk (of 4, on 2 workers) finishes long after the others, so the
             # other worker is done with layer 0 while the caller still waits for it.
-            time.sleep(0.4 if work is stream._first_work[-1] else 0.05)
-        return open_chunk(stream, layer, work, slot)
+            last = work.chunk.position + work.chunk.count == blocks
+            time.sleep(0.4 if last else 0.05)
+        return open_chunk(opener, layer, work, *args, **kw)
 
-    monkeypatch.setattr(loader_module.LoadStream, "_open_chunk", slow_layer_0)
-    paused: list[bool] = []
-    pause_for_caller = loader_module.LoadStream._pause_for_caller
-
-    def recording(stream: loader_module.LoadStream) -> None:
-        paused.append(not stream._workers_free.is_set())
-        pause_for_caller(stream)
-
-    monkeypatch.setattr(loader_module.LoadStream, "_pause_for_caller", recording)
-    ((ns, tokens, layers), _) = _two_prefixes(two_threads)
+    monkeypatch.setattr(chunk_io.ChunkOpener, "open", slow_layer_0)
+    ((ns, tokens, layers), _) = _two_prefixes(two_threads_held)
     started = time.monotonic()
     with ns.load(tokens) as stream:
-        assert len(stream._first_work) == 4
-        per_layer = len(stream._work)
         assert layers_equal(stream.wait_for_layer(0), layers[0])
         handed = time.monotonic()
         for index, layer in stream:
             assert layers_equal(layer, layers[index])
     assert any(paused)  # a worker found itself held before a chunk of layer 1
+    per_layer = Counter(layer for layer, _ in opened)
+    assert per_layer[0] == 4  # layer 0 cut in twice as many chunks as workers
     later = [at for layer, at in opened if layer > 0]
-    assert len(later) == (len(layers) - 1) * per_layer  # every later layer's chunks
+    assert per_layer == {0: 4, **{layer: per_layer[1] for layer in range(1, len(layers))}}
+    assert len(later) == (len(layers) - 1) * per_layer[1]  # every later layer's chunks
     assert min(later) > handed
     assert time.monotonic() - started < 30.0
 

@@ -21,8 +21,10 @@ from ..errors import CacheClosedError
 from .buffers import RecyclingPool
 from .cpu_pinning import CpuPinning, pinning_for_pool
 from .first_layers import FirstLayerGate
+from .load_pool import LoadPool
 from .loader import LoadStream
 from .staging import RingStats, StagingRing
+from .worker_hold import FirstLayerHold
 
 #: Bookkeeping starts no sooner than this after it was handed over: a load that follows the one
 #: that handed it over has taken its hold on the first-layer gate by then.
@@ -46,7 +48,15 @@ class Runtime:
         self.seal_pinning = pinning_for_pool(self.workers, claims) if pin else None
         self.load_pinning = pinning_for_pool(self.load_threads, claims) if pin else None
         self.seal_executor = _pool(self.workers, "tenantkv-seal", self.seal_pinning)
-        self.load_executor = _pool(self.load_threads, "tenantkv-load", self.load_pinning)
+        # Loads run as many workers as this pool has threads; it counts the tasks that wait
+        # for a thread, so that a load's workers let other loads' tasks go first.
+        self.load_executor = LoadPool(
+            self.load_threads,
+            "tenantkv-load",
+            _initializer(self.load_pinning),
+            # Opt-in (worker_hold.py: measured to help on 2-core machines only, and little).
+            first_layer_hold=FirstLayerHold() if config.hold_workers_for_first_layer else None,
+        )
         # One thread: bookkeeping that waits for a first layer never holds a load's worker;
         # it keeps up with many small loads because each task writes a batch of them.
         self.bookkeeping_executor = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-books")
@@ -128,5 +138,8 @@ class Runtime:
 
 def _pool(threads: int, name: str, pinning: CpuPinning | None) -> ThreadPoolExecutor:
     """A pool of ``threads`` named ``name``, each pinned by ``pinning`` as it starts (if any)."""
-    initializer = pinning.pin_current_thread if pinning is not None else None
-    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=initializer)
+    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_initializer(pinning))
+
+
+def _initializer(pinning: CpuPinning | None) -> Callable[[], None] | None:
+    return pinning.pin_current_thread if pinning is not None else None

@@ -170,7 +170,7 @@ class Namespace(NamespaceReads, NamespaceWrites):
                 pool=self._ctx.runtime.load_executor,
                 ring=self._ctx.runtime.staging_ring(pinned=target.device.type == "cuda"),
                 window=self._ctx.runtime.window,
-                workers=self._ctx.runtime.workers,
+                workers=self._ctx.runtime.load_threads,
                 on_failure=self._handle_failure,
                 # A deletion or key retirement ends the load before its next layer.
                 keys_exist=guard.keys_exist,
