@@ -95,9 +95,12 @@ def cgroup_quota(
     missing, unreadable or garbled counts as no quota: a wrong guess would only size the pools,
     and the mask still bounds them."""
     try:
-        lines = proc_cgroup.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
+        return _tightest_quota(proc_cgroup.read_text().splitlines(), cgroup_root)
+    except (OSError, UnicodeDecodeError):  # unreadable, or a folder it may not search
         return None
+
+
+def _tightest_quota(lines: list[str], cgroup_root: Path) -> float | None:
     quotas: list[float] = []
     for line in lines:
         parts = line.split(":", 2)
@@ -108,7 +111,7 @@ def cgroup_quota(
             quotas += _quotas(cgroup_root, path, _read_cpu_max)
         elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's tree
             for folder in _V1_CPU_FOLDERS:
-                if (cgroup_root / folder).is_dir():
+                if os.path.isdir(cgroup_root / folder):
                     quotas += _quotas(cgroup_root / folder, path, _read_cfs_quota)
                     break
     return min(quotas) if quotas else None
@@ -125,7 +128,7 @@ def _cgroup_folders(mount: Path, path: str) -> Iterator[Path]:
     its own cgroup, mounted at ``mount``: where the path is not there, the mount's root is the
     process's cgroup."""
     leaf = mount.joinpath(*[part for part in path.split("/") if part not in ("", ".", "..")])
-    if not leaf.is_dir():
+    if not os.path.isdir(leaf):  # (Path.is_dir raises on EACCES before Python 3.13)
         yield mount
         return
     folder = leaf

@@ -326,6 +326,56 @@ def test_a_forked_child_leaves_its_parents_claims_alone(tmp_path: Path) -> None:
     assert not _held_elsewhere(claims, pinning.cpus[0])
 
 
+def test_a_child_forked_during_a_claim_does_not_keep_the_directory_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claims = tmp_path / "claims"
+    claim_file = cpu_pinning._claim_file
+    children: list[int] = []
+
+    def fork_then_claim(dir_fd: int, cpu: int) -> int | None:
+        if not children:  # a thread of the process forks while the directory is locked
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(30)
+                os._exit(0)
+            children.append(pid)
+        return claim_file(dir_fd, cpu)
+
+    monkeypatch.setattr(cpu_pinning, "_claim_file", fork_then_claim)
+    try:
+        pinning = pinning_for_pool(1, claims, host=_host())
+        assert pinning is not None  # control: the claim itself went through
+        fd = os.open(claims, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # the child still runs, holding a copy of the descriptor; the lock is free
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        pinning.release()
+    finally:
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    assert children
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can make another user's directory")
+def test_another_users_claim_directory_is_refused_even_if_sticky(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    claims.chmod(0o1777)
+    os.chown(claims, 65534, 65534)  # its owner could remove our claim files and take our CPUs
+    with caplog.at_level(logging.WARNING, logger="tenantkv"):
+        assert pinning_for_pool(1, claims, host=_host()) is None
+    assert any("claim directory" in r.getMessage() for r in caplog.records)
+    os.chown(claims, 0, 0)  # control: root's sticky directory is shared by the host's users
+    pinning = pinning_for_pool(1, claims, host=_host())
+    assert pinning is not None
+    pinning.release()
+
+
 def test_the_claim_directory_is_sticky_and_holds_cpu_numbers_only(tmp_path: Path) -> None:
     claims = tmp_path / "claims"
     pinning = pinning_for_pool(2, claims, host=_host())

@@ -61,6 +61,22 @@ def test_v2_inside_a_container_the_mount_root_is_the_process_cgroup(tmp_path: Pa
     assert _cpus(tmp_path).count == 4
 
 
+def test_a_cgroup_folder_it_may_not_search_counts_as_no_quota(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(tmp_path / "proc-self-cgroup", "0::/kubepods/pod1/ctr\n")
+    _write(tmp_path / "cgroup/kubepods/pod1/ctr/cpu.max", "200000 100000\n")
+    assert _cpus(tmp_path).count == 2  # control: readable, the quota counts
+
+    def denied(*_: object) -> bool:  # as a stat under /sys/fs/cgroup that a sandbox refuses
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os.path, "isdir", denied)
+    monkeypatch.setattr(Path, "is_dir", denied)
+    cpus = _cpus(tmp_path)
+    assert cpus.quota is None and cpus.count == 8
+
+
 def test_v1_cfs_quota_over_period(tmp_path: Path) -> None:
     _write(
         tmp_path / "proc-self-cgroup",

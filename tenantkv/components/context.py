@@ -75,6 +75,27 @@ def build_context(
     health = HealthCounters()
     remover = ExtentRemover(index, blocks)
     runtime = Runtime(config)
+    try:
+        return _wire(
+            config, index, blocks, keys, audit, attribution, health, remover, runtime, clock
+        )
+    except BaseException:  # the runtime's threads and claimed CPUs go with the failed open
+        runtime.shutdown(wait=False)
+        raise
+
+
+def _wire(
+    config: CacheConfig,
+    index: Database,
+    blocks: BlockStore,
+    keys: Keyring,
+    audit: TenantAuditLog,
+    attribution: Attribution,
+    health: HealthCounters,
+    remover: ExtentRemover,
+    runtime: Runtime,
+    clock: Callable[[], float],
+) -> CacheContext:
     incidents = SecurityIncidents(index, audit, attribution)
     metrics = new_metrics(
         tenant_labels=config.metrics_tenant_labels,

@@ -36,14 +36,16 @@ quota, not the mask, bounds the process (``HostCpus.quota_bounded``), pools pin 
 a directory the configuration names (one the host mounts into every container), else they run
 unpinned; a log line at INFO says so.
 
-The claim directory is shared by the host's users: created ``1777`` (sticky, as ``/tmp``), so
-anyone may claim but only a file's owner may remove it. It is used only if it is a real directory
-(opened with ``O_NOFOLLOW``), owned by this user or root or sticky, and not writable by others
-unless sticky. Files are named by CPU number only and opened relative to the directory with
-``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO planted there is never followed nor waited on);
-a file that is not a regular file of this user's (another user's claim, live or not) is skipped,
-its CPU left to that user. Nothing is ever written into the files. The worst a hostile local user
-can do is hold the files first, and so keep this process's pools unpinned.
+The claim directory may be shared by the host's users: created ``1777`` (sticky, as ``/tmp``),
+so anyone may claim but only a file's owner may remove it. It is used only if it is a real
+directory (opened with ``O_NOFOLLOW``), owned by this user or root (its owner may remove any
+file in it, sticky or not: users who share one have root create it, ``install -d -m 1777``), and
+not writable by others unless sticky. Files are named by CPU number only and opened relative
+to the directory with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink or a FIFO planted there is never
+followed nor waited on); a file that is not a regular file of this user's (another user's claim,
+live or not) is skipped, its CPU left to that user. Nothing is ever written into the files. The
+worst a hostile local user can do is hold the files (or the directory's lock) first, and so keep
+this process's pools unpinned (or delay a claim by ``CLAIM_WAIT_S``).
 
 Claims are serialised by a lock on the directory itself (waited for ``CLAIM_WAIT_S`` at most),
 so two processes starting together do not each take one CPU of the other's pair and both end up
@@ -57,6 +59,7 @@ from them).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -107,6 +110,16 @@ def pinning_for_pool(
     where the process may run on fewer CPUs, fewer are free of other processes' claims, or its
     CPU quota leaves its neighbours out of sight and no ``claim_dir`` is named (see the module
     docstring). ``host`` stands in for this process's CPUs in tests."""
+    try:
+        return _claimed_pinning(threads, claim_dir, host)
+    except Exception as err:  # pinning is best effort: it never keeps a cache from opening
+        logger.warning("a pool of %d threads runs unpinned: %s", threads, err)
+        return None
+
+
+def _claimed_pinning(
+    threads: int, claim_dir: Path | None, host: HostCpus | None
+) -> CpuPinning | None:
     host = host_cpus() if host is None else host
     candidates = [cpu for cpu in host.allowed if cpu >= 0]
     if threads <= 0 or threads > len(candidates) or fcntl is None:
@@ -222,7 +235,11 @@ class CpuClaims:
                     if not serialised:
                         logger.info("claimed CPUs without the claim directory's lock")
                 finally:
-                    os.close(dir_fd)  # and with it the directory's lock
+                    # Unlocked before it is closed: a child forked meanwhile holds a copy of the
+                    # descriptor, and with it the lock, until it exits.
+                    with contextlib.suppress(OSError):
+                        fcntl.flock(dir_fd, fcntl.LOCK_UN)
+                    os.close(dir_fd)
             if len(chosen) < count:
                 for cpu in claimed:
                     _unlock(self._held.pop(cpu).fd)
@@ -311,10 +328,12 @@ def _open_claim_dir(directory: Path) -> int:
         mode, sticky = info.st_mode, bool(info.st_mode & stat.S_ISVTX)
         if not stat.S_ISDIR(mode):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(directory))
-        if not sticky and (info.st_uid not in (os.geteuid(), 0) or mode & 0o022):
+        # Its owner may remove or replace any file in it, sticky or not: only this user's or
+        # root's directory is trusted, and one others may write to only if it is sticky.
+        if info.st_uid not in (os.geteuid(), 0) or (mode & 0o022 and not sticky):
             raise PermissionError(
                 errno.EPERM,
-                "others may replace its files (writable by others or owned by another user, "
+                "others may replace its files (owned by another user, or writable by others "
                 "and not sticky)",
                 str(directory),
             )

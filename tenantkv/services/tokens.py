@@ -321,7 +321,9 @@ class TokenService:
                         raise AuthError("unbound", row.id)
                     tenant = api_tokens.tenant_exists(session, row.tenant_id)
         except SQLAlchemyError as err:
-            raise CacheUnavailableError(f"could not read the token table: {err}") from err
+            # The driver's text (statements, hosts) stays in the chained cause and the logs,
+            # out of any answer a client might see.
+            raise CacheUnavailableError("could not read the token table") from err
         problem = api_tokens.chain_problem(links, self._ctx.clock())
         if problem is not None:
             raise AuthError(problem, row.id)
