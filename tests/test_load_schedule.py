@@ -26,6 +26,7 @@ import tenantkv
 from tenantkv import KVLayout, TenantKV
 from tenantkv.datapath import chunk_io
 from tenantkv.datapath.load_pool import LoadPool
+from tenantkv.datapath.load_targets import LoadTarget
 from tenantkv.datapath.schedule import Schedule
 from tenantkv.datapath.worker_hold import FirstLayerHold
 from tests.helpers import layers_equal, load_all, random_layers, random_tokens
@@ -424,6 +425,38 @@ def three_loader_threads(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
         cache.close()
 
 
+def test_the_count_stays_right_when_no_thread_can_be_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ThreadPoolExecutor.submit`` queues the task before it starts a thread; where the start
+    fails, the submit raises, and the queued task may still run later on a thread started for
+    another: counted out once, not twice."""
+    pool = LoadPool(2, "test-load")
+    release = threading.Event()
+    ran: list[int] = []
+    try:
+        busy = pool.submit(release.wait, 5.0)  # the one thread so far, kept busy
+        assert pool.waiting() == 0  # control: a task that starts is counted out
+        real_start = threading.Thread.start
+
+        def cannot_start(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", cannot_start)
+        with pytest.raises(RuntimeError, match="start new thread"):
+            pool.submit(ran.append, 2)  # queued, but the second thread never started
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert pool.waiting() == 0
+        release.set()
+        assert busy.result(5.0)
+        pool.shutdown(wait=True)  # the queued task runs on the first thread
+        assert ran == [2]
+        assert pool.waiting() == 0  # counted out once, not again when it ran
+    finally:
+        release.set()
+        pool.shutdown(wait=False)
+
+
 @pytest.mark.parametrize("hold", [False, True], ids=["default", "hold"])
 def test_a_load_runs_as_many_workers_as_the_load_pool_has_threads(
     three_loader_threads: TenantKV, hold: bool, monkeypatch: pytest.MonkeyPatch
@@ -450,3 +483,63 @@ def test_a_load_runs_as_many_workers_as_the_load_pool_has_threads(
     got = load_all(ns, tokens)
     assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
     assert opened == {0: 6, 1: 3, 2: 3}
+
+
+def _within(seconds: float, call: Any) -> BaseException | None:
+    """Run ``call`` on a thread; the exception it raised (None if none). Fails if it is still
+    running after ``seconds``: a hang, not an answer."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: the load hangs"
+    return outcome[0]
+
+
+def test_a_layer_that_cannot_be_allocated_breaks_the_load_instead_of_hanging_it(
+    three_loader_threads: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = three_loader_threads
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(12 * 64, seed=51)
+    want = random_layers(MLA, len(tokens), seed=52)
+    ns.store(tokens, want)
+    got = load_all(ns, tokens)  # control: the same load, whole
+    assert len(got) == len(want) and all(map(layers_equal, got, want))
+    allocate = LoadTarget.new_layer
+
+    def out_of_memory(target: LoadTarget, layer: int) -> Any:
+        if layer == 2:
+            raise MemoryError("no memory for layer 2")
+        return allocate(target, layer)
+
+    monkeypatch.setattr(LoadTarget, "new_layer", out_of_memory)
+    error = _within(20.0, lambda: load_all(ns, tokens))
+    assert error is not None and "layer 2" in repr(error) + repr(error.__cause__)
+
+
+def test_a_load_that_starts_while_the_cache_closes_is_refused_not_left_open(
+    three_loader_threads: TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = three_loader_threads
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(4 * 64, seed=53)
+    ns.store(tokens, random_layers(MLA, len(tokens), seed=54))
+    runtime = kv.context.runtime
+    assert ns.load(tokens) is not None  # control: an open cache tracks the stream it returns
+    # The cache's close takes the list of open streams between a load's check that the cache
+    # is open and the load's stream being tracked.
+    monkeypatch.setattr(runtime, "check_open", lambda: None)
+    runtime.begin_close()
+    error = _within(20.0, lambda: ns.load(tokens))
+    assert isinstance(error, tenantkv.CacheClosedError)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from .worker_hold import FirstLayerHold
 
@@ -44,24 +44,46 @@ class LoadPool(ThreadPoolExecutor):
         return self._waiting
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        with self._count_lock:
-            self._waiting += 1
+        ticket = _Ticket(self)
         try:
-            future = super().submit(self._started, fn, *args, **kwargs)
+            future = super().submit(self._started, ticket, fn, *args, **kwargs)
         except BaseException:
-            self._count(-1)
+            # Refused (shut down), or queued but no thread could be started for it: counted
+            # out now, once, whether or not the queued task runs later.
+            ticket.settle()
             raise
-        future.add_done_callback(self._forget_if_cancelled)
+        future.add_done_callback(ticket.settle_if_cancelled)
         return future
 
-    def _started(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        self._count(-1)
+    @staticmethod
+    def _started(ticket: _Ticket, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        ticket.settle()
         return fn(*args, **kwargs)
-
-    def _forget_if_cancelled(self, future: Future[T]) -> None:
-        if future.cancelled():  # never started: shutdown(cancel_futures=True), or cancel()
-            self._count(-1)
 
     def _count(self, change: int) -> None:
         with self._count_lock:
             self._waiting += change
+
+
+class _Ticket:
+    """One submitted task's place in the pool's count of waiting tasks: counted in when
+    submitted, out exactly once, by whichever comes first of its start, its cancellation, or a
+    submit that raised."""
+
+    __slots__ = ("_pool", "_settled")
+
+    def __init__(self, pool: LoadPool) -> None:
+        self._pool = pool
+        self._settled = False
+        pool._count(+1)
+
+    def settle(self) -> None:
+        with self._pool._count_lock:
+            if self._settled:
+                return
+            self._settled = True
+            self._pool._waiting -= 1
+
+    def settle_if_cancelled(self, future: Future[Any]) -> None:
+        if future.cancelled():  # never started: shutdown(cancel_futures=True), or cancel()
+            self.settle()

@@ -142,7 +142,11 @@ class LoadWorkers:
             )
         output = self._outputs[layer]
         if output is None:
-            output = self._outputs[layer] = self._target.new_layer(layer)
+            try:
+                output = self._outputs[layer] = self._target.new_layer(layer)
+            except BaseException:  # out of memory, say: the chunk is given back, not held
+                schedule.chunk_dropped(failed=False)
+                raise
         work = self._first_work[index] if layer == 0 else self._work[index]
         return layer, work, output
 
@@ -152,7 +156,9 @@ class LoadWorkers:
         wanted = self._schedule.tasks_to_start()
         if not wanted:
             return
-        self._tasks = [task for task in self._tasks if not task.done()]
+        # Cancelled tasks stay listed (a shutdown of the pool cancels them): close() counts
+        # them as left, which they never will by themselves.
+        self._tasks = [task for task in self._tasks if not task.done() or task.cancelled()]
         for _ in range(wanted):
             if not self._submit_worker():
                 return
@@ -191,6 +197,10 @@ class LoadWorkers:
                 self._failure = failure
             else:
                 failure = None
+            if isinstance(error, Cancelled) and not schedule.stopped:
+                # Cancelled from outside the stream (the interpreter or the pool shutting
+                # down): the chunk's layer can never complete, so nothing more is taken.
+                self._stop()
         if schedule.broken:
             self._changed.notify_all()  # a waiter may wait for the last chunk
         batch = self._spans.add(span) if span is not None else None
@@ -279,6 +289,7 @@ class LoadWorkers:
         When other tasks wait for the pool's threads, it queues itself behind them instead."""
         slot: Slot | None = None
         layer = 0
+        holding = False  # a taken chunk not yet counted done or dropped
         pause = self._pause_for_caller if self._hold is not None else None
         try:
             with self._lock:
@@ -287,6 +298,7 @@ class LoadWorkers:
                     self._leave(None)
                     return
             while True:
+                holding = True
                 layer, work, output = taken
                 if pause is not None and layer:
                     pause(layer)
@@ -296,6 +308,7 @@ class LoadWorkers:
                     layer, work, output, slot, group=self._group, pause=pause
                 )
                 with self._lock:
+                    holding = False
                     failure, batch = self._finish_chunk(layer, error, span)
                     if failure is None and batch is None:
                         taken = self._take_next(slot)
@@ -315,6 +328,8 @@ class LoadWorkers:
                 if self._failure is None:
                     cause = err if isinstance(err, Exception) else RuntimeError(repr(err))
                     self._failure = ExtentFailure("?", layer, cause, IO)
+                if holding:  # its chunk will never finish: the caller must not wait for it
+                    self._schedule.chunk_dropped(failed=False)
                 self._schedule.fail()
                 self._schedule.failure_handled = True
                 self._leave(slot)

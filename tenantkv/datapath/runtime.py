@@ -115,8 +115,14 @@ class Runtime:
         task(*args)
 
     def track_stream(self, stream: LoadStream) -> None:
+        """Keep ``stream`` to close with the cache; a stream that arrives once the cache is
+        closing (its close took the list already) is closed here, and the load refused."""
         with self._lock:
-            self._streams.add(stream)
+            if not self._closed:
+                self._streams.add(stream)
+                return
+        stream.close()
+        raise CacheClosedError("the cache is closed")
 
     def begin_close(self) -> list[LoadStream]:
         """Mark the runtime closed; return the streams still open (None if already closed)."""

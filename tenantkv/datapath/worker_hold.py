@@ -15,8 +15,8 @@ with a caller that computes between layers, and inside vLLM, the effect was with
 nothing shows it helps on more cores. Turn it on with
 ``CacheConfig.hold_workers_for_first_layer``.
 
-The decisions are pure (times are passed in); the stream (``loader.py``) keeps the deadline
-under its lock and does the waiting.
+The decisions are pure (times are passed in); the workers' side of the stream
+(``load_workers.py``) keeps the deadline under its lock and does the waiting.
 """
 
 from __future__ import annotations
