@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 import tenantkv
-from tenantkv import KVLayout, TenantKV
+from tenantkv import KVLayout, Layer, Namespace, TenantKV
 from tenantkv.datapath import chunk_io
 from tenantkv.datapath.load_pool import LoadPool
 from tenantkv.datapath.load_targets import LoadTarget
@@ -457,6 +457,16 @@ def test_the_count_stays_right_when_no_thread_can_be_started(
         pool.shutdown(wait=False)
 
 
+def _stored(kv: TenantKV, blocks: int, seed: int) -> tuple[Namespace, list[int], list[Layer]]:
+    """acme's namespace holding a prefix of ``blocks`` blocks: the namespace, tokens, layers."""
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA)
+    tokens = random_tokens(blocks * 64, seed=seed)
+    want = random_layers(MLA, len(tokens), seed=seed + 1)
+    ns.store(tokens, want)
+    return ns, tokens, want
+
+
 @pytest.mark.parametrize("hold", [False, True], ids=["default", "hold"])
 def test_a_load_runs_as_many_workers_as_the_load_pool_has_threads(
     three_loader_threads: TenantKV, hold: bool, monkeypatch: pytest.MonkeyPatch
@@ -475,11 +485,7 @@ def test_a_load_runs_as_many_workers_as_the_load_pool_has_threads(
         return open_chunk(opener, layer, *args, **kw)
 
     monkeypatch.setattr(chunk_io.ChunkOpener, "open", counting)
-    kv.create_tenant("acme")
-    ns = kv.namespace("acme", model="m", layout=MLA)
-    tokens = random_tokens(12 * 64, seed=41)
-    want = random_layers(MLA, len(tokens), seed=42)
-    ns.store(tokens, want)
+    ns, tokens, want = _stored(kv, 12, seed=41)
     got = load_all(ns, tokens)
     assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
     assert opened == {0: 6, 1: 3, 2: 3}
@@ -507,12 +513,7 @@ def _within(seconds: float, call: Any) -> BaseException | None:
 def test_a_layer_that_cannot_be_allocated_breaks_the_load_instead_of_hanging_it(
     three_loader_threads: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kv = three_loader_threads
-    kv.create_tenant("acme")
-    ns = kv.namespace("acme", model="m", layout=MLA)
-    tokens = random_tokens(12 * 64, seed=51)
-    want = random_layers(MLA, len(tokens), seed=52)
-    ns.store(tokens, want)
+    ns, tokens, want = _stored(three_loader_threads, 12, seed=51)
     got = load_all(ns, tokens)  # control: the same load, whole
     assert len(got) == len(want) and all(map(layers_equal, got, want))
     allocate = LoadTarget.new_layer
@@ -530,13 +531,10 @@ def test_a_layer_that_cannot_be_allocated_breaks_the_load_instead_of_hanging_it(
 def test_a_load_that_starts_while_the_cache_closes_is_refused_not_left_open(
     three_loader_threads: TenantKV, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kv = three_loader_threads
-    kv.create_tenant("acme")
-    ns = kv.namespace("acme", model="m", layout=MLA)
-    tokens = random_tokens(4 * 64, seed=53)
-    ns.store(tokens, random_layers(MLA, len(tokens), seed=54))
-    runtime = kv.context.runtime
-    assert ns.load(tokens) is not None  # control: an open cache tracks the stream it returns
+    ns, tokens, want = _stored(three_loader_threads, 4, seed=53)
+    got = load_all(ns, tokens)  # control: while the cache is open, the load goes through
+    assert len(got) == len(want) and all(map(layers_equal, got, want))
+    runtime = three_loader_threads.context.runtime
     # The cache's close takes the list of open streams between a load's check that the cache
     # is open and the load's stream being tracked.
     monkeypatch.setattr(runtime, "check_open", lambda: None)
