@@ -6,10 +6,15 @@ authentications, the cache's gauges (tenants, extents, bytes, capacity) read at 
 and the cache's data-plane registry (``kv.metrics_registry``: hits, loads, evictions, health and
 security events; see :mod:`tenantkv.components.metrics`).
 
-Labels never carry tenant names, tokens or raw paths: a request is counted under its route
-*template* (``/v1/tenants/{name}``), or ``unmatched``, with its method and status code. The
+Every label value comes from a set fixed by the code, never from what a client sends: each
+distinct value is a series kept in memory and rendered at every scrape for the life of the
+process, so a client that chose label values (anonymous requests with invented methods, say: the
+server accepts any token as a method) could grow the registry and ``/metrics`` without bound. A
+request is counted under its method if it is a standard one (else ``other``), its route
+*template* (``/v1/tenants/{name}``; ``unmatched`` for a path no route matches) and its status
+class (``2xx``, ``4xx``, ...). Refusal reasons are the token service's fixed reasons. The
 data-plane metrics carry tenant names only if the cache was opened with
-``metrics_tenant_labels=True``.
+``metrics_tenant_labels=True``: those are bounded by the tenants an operator created.
 """
 
 from __future__ import annotations
@@ -33,10 +38,32 @@ REQUEST_ID_KEY: Final = "tenantkv.request_id"
 REQUEST_ID_HEADER: Final = "x-request-id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
+#: The methods of RFC 9110 and PATCH (RFC 5789), counted under their own names.
+STANDARD_METHODS: Final = frozenset(
+    ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT")
+)
+#: The method label of every other token a client sends as a method.
+OTHER_METHOD: Final = "other"
+#: The route label of a path that no route matches.
+UNMATCHED_ROUTE: Final = "unmatched"
+#: The status label of a status outside 100-599 (no server sends one; bounded all the same).
+OTHER_STATUS: Final = "other"
+
+
+def method_label(method: str) -> str:
+    """``method`` if it is a standard method (case matters: methods are case-sensitive),
+    else ``other``."""
+    return method if method in STANDARD_METHODS else OTHER_METHOD
+
+
+def status_label(status: int) -> str:
+    """The class of ``status``: ``1xx`` to ``5xx``, or ``other``."""
+    return f"{status // 100}xx" if 100 <= status <= 599 else OTHER_STATUS
+
 
 class Metrics:
     """The service's registry: request counters and latency sums, by (method, route template,
-    status), the counts of refused authentications (by reason only: source addresses are
+    status class), the counts of refused authentications (by reason only: source addresses are
     unbounded), the cache's gauges and its data-plane metrics."""
 
     def __init__(self, kv: TenantKV, refusals: RefusalLog | None = None) -> None:
@@ -59,9 +86,14 @@ class Metrics:
         if kv.metrics_registry is not None:
             self.registry.register(_Included(kv.metrics_registry))
 
-    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        self._requests.labels(method, route, str(status)).inc()
-        self._seconds.labels(method, route).inc(seconds)
+    def observe(self, method: str, route: str | None, status: int, seconds: float) -> None:
+        """Count one request. ``method`` is whatever the client sent and ``route`` the matched
+        route's template (None: no route matched); both are bounded here, where every request
+        is counted, so no caller can add a label value the code did not fix."""
+        method_value = method_label(method)
+        route_value = route if route is not None else UNMATCHED_ROUTE
+        self._requests.labels(method_value, route_value, status_label(status)).inc()
+        self._seconds.labels(method_value, route_value).inc(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition format (0.0.4)."""
@@ -180,7 +212,7 @@ class RequestMiddleware:
             template = getattr(route, "path", None)
             self.metrics.observe(
                 str(scope.get("method", "")),
-                template if isinstance(template, str) else "unmatched",
+                template if isinstance(template, str) else None,
                 status,
                 time.perf_counter() - started,
             )
