@@ -46,8 +46,10 @@ class StoreCapabilities:
     #: :meth:`BlockStore.list` is cheap enough for the orphan sweep to run over it; without
     #: it, GC leaves unindexed bytes to the backend's own expiry.
     cheap_listing: bool = True
-    #: The backend honours ``retain_for`` at commit and :meth:`BlockStore.retain`: it forgets
-    #: an extent that long after its last use, so orphans of crashed nodes expire by themselves.
+    #: The backend forgets an extent some time after its last commit or :meth:`BlockStore.retain`,
+    #: so orphans of crashed nodes expire by themselves. How long is the backend's own choice:
+    #: Redis keeps one fixed TTL for every extent, since a TTL that followed ``retain_for``
+    #: would tell whoever reads the keys each extent's retention class (redis_store.py).
     expires: bool = False
 
 
@@ -90,8 +92,11 @@ class ExtentWriter(abc.ABC):
     def commit(self, *, retain_for: float | None = None) -> str:
         """Make the extent durable and visible; return its id.
 
-        ``retain_for`` (seconds) is a hint for backends that expire extents on their own (see
-        :attr:`StoreCapabilities.expires`): keep the extent at least that long. Others ignore it.
+        ``retain_for`` (seconds: the retention of the extent's class) is a hint for backends
+        that expire extents on their own (see :attr:`StoreCapabilities.expires`). Others ignore
+        it, and so may they: a backend whose expiry others can read must not let it follow the
+        hint (Redis uses one fixed TTL). The index, not the store, decides when an extent
+        expires.
         """
 
     @abc.abstractmethod
@@ -220,9 +225,10 @@ class BlockStore(abc.ABC):
         """When the extent was committed (epoch seconds); ExtentNotFoundError if absent."""
 
     def retain(self, extent_ids: Iterable[str], seconds: float) -> None:  # noqa: B027
-        """Keep these extents at least ``seconds`` from now: their retention restarted (a load
-        used them). Advisory, like :meth:`prefetch`: backends that do not expire extents ignore
-        it, and missing ids are skipped."""
+        """These extents' retention restarted (a load used them; ``seconds`` is their tenant's
+        longest class): a backend that expires extents restarts their expiry, by its own rule
+        (see ``retain_for`` of :meth:`ExtentWriter.commit`). Advisory, like :meth:`prefetch`:
+        backends that do not expire extents ignore it, and missing ids are skipped."""
 
     def sweep_temporary(self, older_than: float | None = None) -> int:
         """Remove leftovers of writers that crashed (older than ``older_than``); return how many.

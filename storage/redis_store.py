@@ -26,7 +26,25 @@ disk: the store declares ``evicts_on_its_own`` and not ``durable``, so the cache
 missing key as a *lost* extent (a miss and a health counter), never as tampering; an evicted
 chunk shows as a short extent, which is the same. Listing is a ``SCAN`` over the whole key
 space, so the store does not claim cheap listing: GC's orphan sweep skips it, and orphans
-expire through the TTL every commit sets from the extent's retention.
+expire through the TTL every commit sets.
+
+TTLs: one fixed ``ttl`` for every extent of the store, set at commit and restarted by
+:meth:`RedisBlockStore.retain` (a load's use), whatever ``retain_for`` or ``seconds`` the
+cache passes. Why not the extent's retention, as the cache asks: a TTL is readable by anyone
+who can read the keys (``PTTL``; a Redis operator, a replica, a ``MONITOR``), and a TTL equal to
+the retention of the extent's class sorts the extents by tenant, since tenants choose their
+classes (a tenant whose chat class is 9 days owns every extent whose TTL started at 9 days). A
+fixed TTL tells such a reader only when each extent was last stored or used, which the header's
+commit time and the traffic show anyway. Quantised or jittered TTLs would only blur the
+grouping, and with enough extents a class shows through the noise. Retention is not Redis'
+job: the index is authoritative (an extent past its expiry is a miss, whatever the store still
+holds, and GC deletes its keys), and in a tiered store the directory holds every extent. The
+default, :data:`DEFAULT_TTL`, outlasts the longest retention a tenant may be given, so a store
+used alone never forgets an extent the index still serves; a shorter ``ttl=`` (a hot tier in
+front of a directory, where Redis is a cache) makes extents idle for longer than it hot-tier
+misses, and, for a store used alone, lost extents (misses) before their retention ends.
+``ttl=0`` sets none: keys stay until GC deletes them or ``maxmemory`` evicts them, and orphans
+of crashed nodes stay too (the store then no longer claims ``expires``).
 
 Not for Redis Cluster: an extent's keys must share one hash slot for the script.
 
@@ -57,6 +75,10 @@ from .base import BlockStore, ExtentReader, ExtentWriter, StoreCapabilities
 from .errors import ExtentNotFoundError, ShortReadError, StorageError
 
 DEFAULT_PREFIX = "tenantkv:"
+#: Every committed extent's TTL (seconds after its last store or use): 366 days, the longest
+#: retention a tenant may be given (``tenantkv.retention.MAX_RETENTION``; a test checks they
+#: agree), so that by default the TTL never ends an extent before the index does.
+DEFAULT_TTL = 366 * 86400.0
 #: How long temporary keys outlive their writer's last write.
 DEFAULT_TEMP_TTL = 600.0
 #: Bytes per chunk key: well under Redis' 512 MiB string limit, large enough that a layer's
@@ -162,17 +184,32 @@ def _milliseconds(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-def parse_redis_url(url: str) -> tuple[str, str]:
-    """Split a block-store URL into (redis-py URL, key prefix): ``?prefix=`` is ours, every
-    other query parameter is redis-py's (``socket_timeout=``, ``ssl_cert_reqs=``, ...)."""
+def parse_redis_url(url: str) -> tuple[str, str, float]:
+    """Split a block-store URL into (redis-py URL, key prefix, TTL in seconds): ``?prefix=``
+    and ``?ttl=`` (seconds; 0 for none) are ours, every other query parameter is redis-py's
+    (``socket_timeout=``, ``ssl_cert_reqs=``, ...)."""
     parsed = urlparse(url)
     query = parse_qsl(parsed.query, keep_blank_values=True)
-    prefixes = [value for name, value in query if name == "prefix"]
-    rest = [(name, value) for name, value in query if name != "prefix"]
-    if len(prefixes) > 1:
-        raise ValueError(f"{url!r} gives prefix= more than once")
-    prefix = prefixes[0] if prefixes else DEFAULT_PREFIX
-    return urlunparse(parsed._replace(query=urlencode(rest))), prefix
+    ours = ("prefix", "ttl")
+    given = {name: [value for key, value in query if key == name] for name in ours}
+    rest = [(name, value) for name, value in query if name not in ours]
+    for name, values in given.items():
+        if len(values) > 1:
+            raise ValueError(f"{url!r} gives {name}= more than once")
+    prefix = given["prefix"][0] if given["prefix"] else DEFAULT_PREFIX
+    ttl = _check_ttl(given["ttl"][0]) if given["ttl"] else DEFAULT_TTL
+    return urlunparse(parsed._replace(query=urlencode(rest))), prefix, ttl
+
+
+def _check_ttl(value: str | float) -> float:
+    """A TTL in seconds: a finite number, at least 0 (0: none)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ttl={value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"ttl={value!r} must be a finite number of seconds, 0 for none")
+    return seconds
 
 
 def _spans(
@@ -255,7 +292,8 @@ class _RedisWriter(ExtentWriter):
         for number in range(-(-size // self._store.chunk_bytes)):
             keys += [f"{self._temp}:{number}", f"{final}:{number}"]
         header = _header(int(time.time() * 1_000_000), size)
-        ttl = 0 if retain_for is None else _milliseconds(retain_for)
+        # The store's one TTL, never ``retain_for``: see "TTLs" in the module docstring.
+        ttl = self._store.ttl_ms
         try:
             with _redis_errors("committing extent"):
                 ok = self._store.commit_script(keys=keys, args=[header, ttl])
@@ -332,7 +370,8 @@ class RedisBlockStore(BlockStore):
     ``client`` is any ``redis.Redis`` (it owns a connection pool and is thread-safe);
     :meth:`from_url` builds one from a ``redis://``, ``rediss://`` or ``unix://`` URL.
     Redis' own persistence settings decide what survives its restart, so the store never
-    claims durability.
+    claims durability. ``ttl`` (seconds, 0 for none) is every extent's TTL after its last
+    store or use, whatever retention the cache asks for ("TTLs" in the module docstring).
     """
 
     def __init__(
@@ -343,6 +382,7 @@ class RedisBlockStore(BlockStore):
         temp_ttl: float = DEFAULT_TEMP_TTL,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         read_piece_bytes: int = READ_PIECE_BYTES,
+        ttl: float = DEFAULT_TTL,
     ) -> None:
         if not prefix:
             raise ValueError("a Redis block store needs a non-empty key prefix")
@@ -351,6 +391,9 @@ class RedisBlockStore(BlockStore):
         self.client = client
         self.prefix = prefix
         self.temp_ttl = temp_ttl
+        self.ttl = _check_ttl(ttl)
+        #: The TTL in milliseconds as the scripts take it (0: none).
+        self.ttl_ms = _milliseconds(self.ttl) if self.ttl > 0 else 0
         self.chunk_bytes = chunk_bytes
         self.read_piece_bytes = read_piece_bytes
         self.write_script = client.register_script(_WRITE)
@@ -360,8 +403,10 @@ class RedisBlockStore(BlockStore):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBlockStore:
-        """A store from ``redis://host:port/db?prefix=...`` (``rediss://``, ``unix://`` too)."""
-        client_url, prefix = parse_redis_url(url)
+        """A store from ``redis://host:port/db?prefix=...&ttl=...`` (``rediss://``, ``unix://``
+        too). A ``ttl`` passed in ``options`` wins over the URL's."""
+        client_url, prefix, ttl = parse_redis_url(url)
+        options.setdefault("ttl", ttl)
         query = dict(parse_qsl(urlparse(client_url).query))
         defaults: dict[str, Any] = {
             name: value for name, value in _CONNECTION_DEFAULTS.items() if name not in query
@@ -375,7 +420,7 @@ class RedisBlockStore(BlockStore):
     @property
     def capabilities(self) -> StoreCapabilities:
         return StoreCapabilities(
-            durable=False, evicts_on_its_own=True, cheap_listing=False, expires=True
+            durable=False, evicts_on_its_own=True, cheap_listing=False, expires=self.ttl > 0
         )
 
     def key(self, extent_id: str) -> str:
@@ -420,14 +465,15 @@ class RedisBlockStore(BlockStore):
         return header[0] / 1_000_000
 
     def retain(self, extent_ids: Iterable[str], seconds: float) -> None:
-        """Push each extent's expiry out to ``seconds`` from now (never shorten it)."""
+        """Restart each extent's TTL: the store's ``ttl`` from now (never shortened), whatever
+        ``seconds`` asks ("TTLs" in the module docstring). Nothing to do without a TTL."""
         keys = [self.prefix + i for i in extent_ids if _ID_PATTERN.fullmatch(i)]
+        if not keys or not self.ttl_ms:
+            return
         with _redis_errors("extending extent TTLs"):
             pipe = self.client.pipeline(transaction=False)  # one round trip for all
             for key in keys:
-                self._retain_script(
-                    keys=[key], args=[_milliseconds(seconds), self.chunk_bytes], client=pipe
-                )
+                self._retain_script(keys=[key], args=[self.ttl_ms, self.chunk_bytes], client=pipe)
             pipe.execute()
 
     def temporary(self) -> tuple[str, ...]:

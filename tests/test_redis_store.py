@@ -12,6 +12,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,24 @@ import pytest
 
 import tenantkv
 from tenantkv import TenantKV
+from tenantkv.retention import MAX_RETENTION
 from tenantkv.storage import BlockStoreUrlError, TieredBlockStore, open_block_store
-from tests.block_stores import drop_prefix, new_prefix, redis_client, redis_keys, redis_url
+from tests.block_stores import (
+    REDIS_URL,
+    drop_prefix,
+    new_prefix,
+    redis_client,
+    redis_keys,
+    redis_url,
+)
 from tests.indexes import Index
 
-from .helpers import MLA_SMALL, load_all, random_layers
+from .helpers import MLA_SMALL, ManualClock, load_all, random_layers
 from .test_at_rest import TOKENS, bytes_of, canary_layers, canary_needles, token_needles
 
 pytest.importorskip("redis")
+from tenantkv.storage.redis_store import DEFAULT_TTL  # after the skip: it needs redis-py
+
 NUM_TOKENS = len(TOKENS)
 
 
@@ -93,7 +104,7 @@ def test_cache_on_redis_round_trips_and_keeps_no_plaintext(
         client = redis_client()
         try:
             values = [client.get(k) or b"" for k in keys]
-            assert all(client.ttl(k) > 0 for k in keys)  # ... and expires with its retention
+            assert all(client.ttl(k) > 0 for k in keys)  # ... and expires (the store's TTL)
         finally:
             client.close()
     needles = {
@@ -303,31 +314,128 @@ def test_bad_block_store_urls_are_refused(url: str) -> None:
         tenantkv.CacheConfig(block_store_url=url)
 
 
-def test_a_longer_retention_reaches_the_redis_ttls_at_once(
+@pytest.mark.parametrize("ttl", ["-1", "soon", "inf", "nan", "1&ttl=2"])
+def test_bad_redis_ttls_are_refused(ttl: str) -> None:
+    with pytest.raises(BlockStoreUrlError):
+        open_block_store(f"{REDIS_URL}?ttl={ttl}")
+
+
+def _pttls(prefix: str) -> dict[bytes, int]:
+    """Every committed extent key's remaining TTL, in milliseconds (-1: none)."""
+    client = redis_client()
+    try:
+        return {k: int(client.pttl(k)) for k in _extent_keys(prefix)}
+    finally:
+        client.close()
+
+
+def _spread(ttls: dict[bytes, int]) -> int:
+    return max(ttls.values()) - min(ttls.values())
+
+
+#: TTLs set by one fixed rule differ only by when their extents were committed: well under this.
+SAME_TTL_MS = 60_000
+
+
+def test_the_default_ttl_outlasts_every_retention() -> None:
+    """A Redis store used alone must not forget an extent the index still serves."""
+    assert DEFAULT_TTL >= MAX_RETENTION
+
+
+@pytest.mark.parametrize("kind", ["redis", "tiered"])
+def test_redis_ttls_do_not_tell_retention_classes_apart(
+    tmp_path: Path, prefix: str, kind: str, index: Index
+) -> None:
+    """Whoever reads the Redis keys reads their TTLs. A TTL set from the extent's retention
+    sorted the extents by tenant (tenants choose their classes): three extents of classes of
+    1 h, 2 h and 30 d, of two tenants, must get TTLs that a reader cannot tell apart, and keep
+    them when a class is lengthened. Control: each extent is still served."""
+    with _open(tmp_path / "cache", _url(kind, prefix, tmp_path)) as kv:
+        kv.create_tenant("acme", retention={"agent": "1h", "chat": "2h"})
+        kv.create_tenant("globex", retention={"chat": "30d"})
+        acme = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        globex = kv.namespace("globex", model="m", layout=MLA_SMALL)
+        layers = random_layers(MLA_SMALL, NUM_TOKENS)
+        other = [t + 1 for t in TOKENS]
+        assert acme.store(TOKENS, layers, kind="agent") == NUM_TOKENS
+        assert acme.store(other, layers, kind="chat") == NUM_TOKENS
+        assert globex.store(TOKENS, layers, kind="chat") == NUM_TOKENS
+        # (no load before the TTLs are read: a load restarts its extent's TTL in the background)
+        before = _pttls(prefix)
+        assert len(_extents(prefix)) == 3 and len(before) == 6  # a header and a chunk each
+        assert _spread(before) < SAME_TTL_MS, before
+        assert min(before.values()) > (DEFAULT_TTL - 60) * 1000  # the store's, not a class's
+        kv.update_tenant("acme", retention={"agent": "30d"})
+        after = _pttls(prefix)
+        assert _spread(after) < SAME_TTL_MS, after
+        # Positive control: every extent is still served, byte-exact.
+        assert acme.lookup(TOKENS) == NUM_TOKENS and _loads_exactly(acme, layers)
+        assert acme.lookup(other) == NUM_TOKENS
+        assert [bytes_of(x) for x in load_all(acme, other)] == [bytes_of(x) for x in layers]
+        assert globex.lookup(TOKENS) == NUM_TOKENS and _loads_exactly(globex, layers)
+
+
+def test_a_configured_ttl_is_used_for_every_class(
     tmp_path: Path, prefix: str, index: Index
 ) -> None:
-    """Redis forgets an extent when its TTL (set from the retention at its last store or load)
-    runs out. Lengthening the retention must push the TTLs out then, not at the next use, or
-    Redis drops extents the index still serves. Other classes' extents keep their TTLs."""
-    with _open(tmp_path / "cache", redis_url(prefix)) as kv:
-        kv.create_tenant("acme", retention={"agent": "1h", "chat": "2h"})
+    """``?ttl=`` sets every extent's TTL: shorter than every class here, and not raised to
+    any of them (a hot tier is a cache of the directory, which keeps the extents)."""
+    url = f"{redis_url(prefix)}&ttl=120,{(tmp_path / 'cold').resolve().as_uri()}"
+    with _open(tmp_path / "cache", url) as kv:
+        kv.create_tenant("acme", retention={"agent": "1h"})
+        kv.create_tenant("globex", retention={"chat": "30d"})
+        acme = kv.namespace("acme", model="m", layout=MLA_SMALL)
+        globex = kv.namespace("globex", model="m", layout=MLA_SMALL)
+        layers = random_layers(MLA_SMALL, NUM_TOKENS)
+        assert acme.store(TOKENS, layers, kind="agent") == NUM_TOKENS
+        assert globex.store(TOKENS, layers, kind="chat") == NUM_TOKENS
+        ttls = _pttls(prefix)
+        assert len(_extents(prefix)) == 2
+        assert all(60_000 < ttl <= 120_000 for ttl in ttls.values()), ttls
+        assert _loads_exactly(acme, layers) and _loads_exactly(globex, layers)  # control
+
+
+def test_a_promoted_copy_gets_the_same_ttl(tmp_path: Path, prefix: str, index: Index) -> None:
+    """A copy promoted from the directory gets the TTL a fresh store gets (it had none: it
+    stayed until GC deleted it, and its missing TTL set it apart from fresh ones)."""
+    with _open(tmp_path / "cache", _url("tiered", prefix, tmp_path)) as kv:
+        ns, layers = _store(kv)
+        stored = _pttls(prefix)
+        client = redis_client()
+        try:
+            assert client.delete(*_extent_keys(prefix)) == 2  # what maxmemory eviction does
+        finally:
+            client.close()
+        assert _loads_exactly(ns, layers)  # from the directory, then promoted
+        blocks = kv._ctx.blocks
+        assert isinstance(blocks, TieredBlockStore)
+        blocks.wait_for_promotions()
+        assert blocks.stats()["tier0"]["promotions"] == 1
+        promoted = _pttls(prefix)
+        assert len(promoted) == 2
+        assert _spread({**stored, **{b"p" + k: v for k, v in promoted.items()}}) < SAME_TTL_MS
+        assert _loads_exactly(ns, layers)  # control: served from Redis again
+
+
+@pytest.mark.parametrize("kind", ["redis", "tiered"])
+def test_an_expired_extent_is_not_served_while_redis_still_holds_it(
+    tmp_path: Path, prefix: str, kind: str, index: Index
+) -> None:
+    """Redis keeps an extent longer than its retention (its TTL is the store's): the index
+    decides, so the extent is a miss once its retention has run out, and GC deletes its keys."""
+    clock = ManualClock(time.time())
+    url = _url(kind, prefix, tmp_path)
+    with tenantkv.open(tmp_path / "cache", durable=False, block_store_url=url, clock=clock) as kv:
+        kv.create_tenant("acme", retention={"agent": "1h"})
         ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
         layers = random_layers(MLA_SMALL, NUM_TOKENS)
         assert ns.store(TOKENS, layers, kind="agent") == NUM_TOKENS
-        other = [t + 1 for t in TOKENS]
-        assert ns.store(other, layers, kind="chat") == NUM_TOKENS
-        # (no load before the TTLs are read: a load restarts its extent's TTL in the background)
-        client = redis_client()
-        try:
-            before = {k: client.ttl(k) for k in _extent_keys(prefix)}
-            assert len(_extents(prefix)) == 2
-            agent = {k for k, ttl in before.items() if ttl <= 3600}
-            chat = set(before) - agent
-            assert agent and chat and all(3000 < ttl <= 7200 for ttl in before.values())
-            kv.update_tenant("acme", retention={"agent": "30d"})
-            after = {k: client.ttl(k) for k in before}
-        finally:
-            client.close()
-        assert all(after[k] > 29 * 86400 for k in agent)  # pushed out with the retention
-        assert all(abs(after[k] - before[k]) <= 5 for k in chat)  # untouched
-        assert ns.lookup(TOKENS) == NUM_TOKENS and _loads_exactly(ns, layers)  # still served
+        clock.advance(3599)
+        assert ns.lookup(TOKENS) == NUM_TOKENS and _loads_exactly(ns, layers)  # control
+        clock.advance(3601)  # past the retention of its last use (the load at 3599 s)
+        assert len(_extents(prefix)) == 1  # Redis still holds it ...
+        assert ns.lookup(TOKENS) == 0  # ... and the cache does not serve it
+        with pytest.raises(tenantkv.CacheMissError):
+            ns.load(TOKENS)
+        kv.gc()
+        assert _extent_keys(prefix) == []  # GC deleted its keys
