@@ -121,6 +121,7 @@ class TenantKV:
         runtime.shutdown()
         self._ctx.uses.flush()  # records of use whose batch the shutdown cancelled
         self._ctx.leases.release_all()  # loads whose bookkeeping the shutdown cancelled
+        self._ctx.incidents.close()  # refused requests still counted, not yet audited
         self._ctx.blocks.close()
         self._ctx.index.close()
 

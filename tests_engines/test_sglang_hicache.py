@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 import tenantkv
-from tenantkv.integrations.engine_identity import ASSERTION_REFUSED
+from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS
 from tenantkv.integrations.sglang import TenantKVHiCacheStorage
 from tenantkv.tenant_assertion import AssertionSigner
 from tests.indexes import Index
@@ -193,3 +193,21 @@ def test_damaged_page_is_a_miss_and_a_security_event(
     missing = KEYS[bad]
     assert not storage.exists(missing)
     assert storage.batch_set_v1([missing], torch.arange(0, PAGE)) == [True]
+
+
+def test_a_cache_error_is_a_counted_miss(
+    root: Path, index: Index, gateway: AssertionSigner, gateway_pem: str
+) -> None:
+    source = filled_pool(4, seed=4)
+    storage = backend(root, index, gateway_pem, gateway.sign("acme", ttl=240), source)
+    health = storage._kv.context.health
+    before = health.counts().get(ENGINE_ERRORS, 0)
+    odd = torch.ones(17, dtype=torch.float16)  # a page tenantkv cannot key (not 16 rows)
+    assert storage.set("odd-page", odd) is False
+    assert storage.get("odd-page", torch.empty_like(odd)) is None
+    assert health.counts()[ENGINE_ERRORS] == before + 2  # each a miss, and counted
+    # positive control: a well-shaped page is stored and read back
+    page = source.get_data_page(0)
+    assert storage.set("good-page", page) is True
+    assert torch.equal(storage.get("good-page", torch.empty_like(page)), page)
+    assert health.counts()[ENGINE_ERRORS] == before + 2

@@ -33,7 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tenantkv.config import CacheConfig as TenantKVConfig
-from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, RequestTenant
+from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS, RequestTenant
 from tenantkv.integrations.vllm import TenantKVConnector
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
 from tenantkv.integrations.vllm.settings import ENGINE_WINDOW, ConnectorSettings
@@ -258,6 +258,32 @@ def test_other_tenants_scopes_and_bad_assertions_match_nothing(
     # tenants with a verified assertion store their own copy; refused requests store nothing
     saved = {save.request_id for save in meta.saves}
     assert saved == {"globex", "acme-u2"}
+
+
+def test_a_cache_error_is_a_counted_miss_never_an_exception_in_the_scheduler(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    store_for(setup, "acme")
+    errors_before = setup.kv.context.health.counts().get(ENGINE_ERRORS, 0)
+    owner = setup.request("owner", params(gateway, "acme"))
+    # verified owners, prompts tenantkv refuses (InvalidRequestError: ids outside [0, 2**32))
+    bad = {
+        rid: setup.request(rid, params(gateway, "acme"), [*PROMPT[:10], token, *PROMPT[11:]])
+        for rid, token in (("negative", -1), ("too-large", 2**40))
+    }
+    _, meta, errors = setup.step(compute=True)  # the scheduler's step does not raise
+    assert errors == set()
+    # positive control: the owner's request in the same step loads its prefix
+    assert [load.request_id for load in meta.loads] == ["owner"]
+    assert owner.num_computed_tokens == 100
+    # the refused prompts are computed as without a cache: nothing loaded, nothing saved
+    assert all(request.num_computed_tokens == 100 for request in bad.values())
+    assert not {save.request_id for save in meta.saves} & set(bad)
+    assert setup.kv.context.health.counts()[ENGINE_ERRORS] == errors_before + 2  # counted
+    setup.step()  # asked again, they stay misses, counted once each
+    assert setup.kv.context.health.counts()[ENGINE_ERRORS] == errors_before + 2
+    for rid in ("owner", *bad):
+        setup.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
 
 
 def test_computed_prompt_is_saved_and_then_hits(setup: Setup, gateway: AssertionSigner) -> None:

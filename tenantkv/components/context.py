@@ -23,7 +23,7 @@ from ..storage import BlockStore, LocalBlockStore, TieredBlockStore
 from .coordination import KeyEpochWatcher, LeaseKeeper, new_node_id
 from .extent_removal import ExtentRemover
 from .health import HealthCounters
-from .incidents import SecurityIncidents
+from .incidents import REFUSAL_AUDIT_FAILURES, SecurityIncidents
 from .keyring import Keyring
 from .lookup_cache import LookupCache
 from .metering import Meter
@@ -96,7 +96,13 @@ def _wire(
     runtime: Runtime,
     clock: Callable[[], float],
 ) -> CacheContext:
-    incidents = SecurityIncidents(index, audit, attribution)
+    incidents = SecurityIncidents(
+        index,
+        audit,
+        attribution,
+        clock=clock,
+        on_refusal_audit_failure=lambda: health.count(REFUSAL_AUDIT_FAILURES),
+    )
     metrics = new_metrics(
         tenant_labels=config.metrics_tenant_labels,
         health=health.counts,

@@ -13,7 +13,9 @@ from collections import Counter
 
 #: Names counted: ``lost_extents``; ``degraded_<operation>`` for lookup, cached_length,
 #: store, load and prefetch; ``incomplete_scrubs`` (shredded keys that stayed in the index's
-#: files for a while, see ``services/shredding.py``).
+#: files for a while, see ``services/shredding.py``); ``engine_errors`` (an engine's call made a
+#: miss by an error, ``integrations/engine_identity.py``); ``refusal_audit_failures`` (windows of
+#: refused engine requests that could not be audited, ``incidents.py``).
 LOST_EXTENTS = "lost_extents"
 INCOMPLETE_SCRUBS = "incomplete_scrubs"
 #: A level, not a count: 1 while shredded keys may still be in the index's files, 0 after.

@@ -8,9 +8,14 @@ the main suite. The rule:
 * A client-chosen value (vLLM's ``cache_salt``, SGLang's extra keys) never selects a tenant:
   it is not read here at all.
 * A missing, malformed, forged, expired or otherwise refused assertion gives *no* cache for the
-  request (it is computed as without a cache) plus a ``tenant_assertion_refused`` security event,
-  logged, counted and audited on the system chain (the claimed tenant is not believed, so the
-  event does not go to its chain).
+  request (it is computed as without a cache) plus a ``tenant_assertion_refused`` security event:
+  counted at once, logged at most once a minute, and audited on the system chain as one record
+  per time window with the window's count by reason (``components/incidents.py``), written by a
+  thread of the cache's own: a flood of refused requests costs the engine's thread no index
+  write. The claimed tenant is not believed, so the event does not go to its chain.
+* A tenantkv error on an engine's path (a token id out of range, an index outage, a closed
+  cache) is a miss for that request plus a counted ``engine_errors`` health event
+  (:class:`EngineErrors`), never an exception into the engine's step.
 * Block keys are always tenantkv's keyed hashes under the namespace of the verified (tenant,
   scope, model, layout, block size); the engine's own block hashes are never used as keys.
 """
@@ -23,10 +28,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from ..api import TenantKV
-from ..audit import ACCESS_REFUSED
-from ..errors import InvalidRequestError, TenantAssertionError, TenantNotFoundError
+from ..errors import InvalidRequestError, TenantAssertionError, TenantKVError, TenantNotFoundError
 from ..layout import KVLayout
+from ..security_events import LogLimiter
 from ..services.namespace import Namespace
 from ..tenant_assertion import AssertionVerifier
 
@@ -37,6 +44,37 @@ logger = logging.getLogger("tenantkv")
 ASSERTION_PARAM: Final = "tenantkv_assertion"
 #: The security event kind of a refused assertion.
 ASSERTION_REFUSED: Final = "tenant_assertion_refused"
+#: The health counter of engine calls that an error of the cache turned into a miss.
+ENGINE_ERRORS: Final = "engine_errors"
+#: What an engine's path catches and turns into a miss: the cache's own errors, and index
+#: failures a service let through. Anything else is a bug, and is not hidden.
+ENGINE_FAILURES: Final = (TenantKVError, SQLAlchemyError)
+
+
+class EngineErrors:
+    """Errors that made an engine's call a miss: counted (the ``engine_errors`` health event,
+    ``tenantkv_health_events_total{kind="engine_errors"}``) and logged at most once a minute
+    per operation, so a stream of bad requests floods neither the log nor the engine."""
+
+    def __init__(self, kv: TenantKV) -> None:
+        self._kv = kv
+        self._log_limit = LogLimiter()
+
+    def failed(self, operation: str, err: BaseException, *, request_id: str = "") -> None:
+        """Count and log an error that made ``operation`` a miss. The engine computes the
+        request as without a cache; its step never sees the error."""
+        self._kv.context.health.count(ENGINE_ERRORS)
+        left_out = self._log_limit.allow(operation)
+        if left_out is None:
+            return
+        logger.warning(
+            "tenantkv %s failed for request %r, a miss: %s: %s%s",
+            operation,
+            request_id[:128],
+            type(err).__name__,
+            err,
+            f" ({left_out} more not logged)" if left_out else "",
+        )
 
 
 @dataclass(frozen=True)
@@ -73,6 +111,9 @@ class EngineNamespaces:
         self._namespaces: dict[RequestTenant, Namespace] = {}
         self._revocations = kv.context.keys.revocations
         self._lock = threading.Lock()
+        #: Counts and logs errors that made a call a miss (``failed(operation, err)``).
+        self.errors = EngineErrors(kv)
+        self.failed = self.errors.failed
 
     def identify(
         self, params: Mapping[str, Any] | None, *, request_id: str = ""
@@ -83,11 +124,9 @@ class EngineNamespaces:
         try:
             claims = self._verifier.verify(raw)
         except TenantAssertionError as err:
-            self.kv.context.incidents.record(
-                ASSERTION_REFUSED,
-                "",
-                f"request {request_id[:128]!r}: {err}",
-                ACCESS_REFUSED,
+            # counted now, audited per window off this thread (the engine's scheduler)
+            self.kv.context.incidents.refused(
+                ASSERTION_REFUSED, err.reason, f"request {request_id[:128]!r}: {err}"
             )
             return None
         return RequestTenant(claims.tenant, claims.scope)
@@ -120,6 +159,9 @@ class EngineNamespaces:
             )
         except (TenantNotFoundError, InvalidRequestError) as err:
             logger.info("no cache for tenant %r: %s", owner.tenant, err)
+            return None
+        except ENGINE_FAILURES as err:  # the index failed, the cache closed: a miss
+            self.failed("namespace", err)
             return None
         with self._lock:
             return self._namespaces.setdefault(owner, namespace)

@@ -27,8 +27,10 @@ model is SGLang's ``model_name`` (or ``model`` in the extra config). ``batch_get
 ``batch_set_v1`` move pages between the store and host-pool indices with one copy each way.
 
 **Failures.** A page that fails to open (tampering, corruption; a security event, the extent
-dropped) or whose bytes are gone is a miss (``False``/``None``): SGLang recomputes it. Never an
-exception into SGLang, never wrong data.
+dropped) or whose bytes are gone is a miss (``False``/``None``): SGLang recomputes it. Any other
+error of the cache (a page of a size it cannot key, an index outage, a closed cache) is a miss
+too, counted as an ``engine_errors`` health event and logged at most once a minute per call.
+Never an exception into SGLang, never wrong data.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ from ..layout import KVLayout
 from ..services.namespace import Namespace
 from ..tenant_assertion import DEFAULT_MAX_LIFETIME, AssertionVerifier
 from .engine_cache import read_pems, shared_cache
-from .engine_identity import ASSERTION_PARAM, EngineNamespaces, RequestTenant
+from .engine_identity import (
+    ASSERTION_PARAM,
+    ENGINE_FAILURES,
+    EngineErrors,
+    EngineNamespaces,
+    RequestTenant,
+)
 
 logger = logging.getLogger("tenantkv")
 
@@ -82,6 +90,7 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._engines: dict[tuple[int, torch.dtype], EngineNamespaces] = {}
         self._lock = threading.Lock()
         self._refused: set[str] = set()
+        self._errors = EngineErrors(self._kv)
         self.mem_pool_host: Any = None
 
     # ---- identity -----------------------------------------------------------------------------
@@ -166,8 +175,8 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 out = page if target_location is not None else torch.empty_like(page)
                 out.view(-1).copy_(rows.reshape(-1))
             return out
-        except TenantKVError as err:
-            logger.warning("tenantkv: page %s not loaded (recomputed): %s", key[:16], err)
+        except ENGINE_FAILURES as err:  # recomputed by SGLang
+            self._errors.failed("get", err, request_id=f"page {key[:16]}")
             return None
 
     def batch_get(
@@ -199,8 +208,8 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             rows = page.detach().to("cpu").contiguous().view(-1).reshape(PAGE_WORDS, -1)
             namespace.store(words, [rows])
             return namespace.cached_length(words) == PAGE_WORDS
-        except TenantKVError as err:
-            logger.warning("tenantkv: page %s not stored: %s", key[:16], err)
+        except ENGINE_FAILURES as err:
+            self._errors.failed("set", err, request_id=f"page {key[:16]}")
             return False
 
     def batch_set(
@@ -219,7 +228,8 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             namespace = self._namespace(self._template(), extra_info)
             return namespace is not None and namespace.cached_length(page_words(key)) == PAGE_WORDS
-        except TenantKVError:
+        except ENGINE_FAILURES as err:
+            self._errors.failed("exists", err, request_id=f"page {key[:16]}")
             return False
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:

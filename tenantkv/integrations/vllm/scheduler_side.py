@@ -7,6 +7,11 @@ not one per poll) and the length comes from ``Namespace.cached_length``, which d
 Metering happens once, when the request finishes (``Namespace.record_request``), with the
 tokens really served: a load that failed counts as a miss.
 
+Nothing here raises into vLLM's scheduler, whose step serves every tenant's requests: an error
+of the cache (a token id out of range, an index outage, a closed cache) gives the request no
+cache -- computed as without a connector, nothing loaded or saved -- and is counted
+(``EngineNamespaces.failed``).
+
 The prompt's last token is never reported as cached (vLLM must compute at least one token), and
 hits are whole blocks: the namespace's block size is vLLM's ``block_size``, so tenantkv's
 blocks and vLLM's pages coincide.
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...services.namespace import Namespace
-from ..engine_identity import EngineNamespaces, RequestTenant
+from ..engine_identity import ENGINE_FAILURES, EngineNamespaces, RequestTenant
 from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata
 
 logger = logging.getLogger("tenantkv")
@@ -51,7 +56,13 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            found = self._engine.resolve(request.kv_transfer_params, request_id=request.request_id)
+            try:
+                found = self._engine.resolve(
+                    request.kv_transfer_params, request_id=request.request_id
+                )
+            except ENGINE_FAILURES as err:
+                self._engine.failed("resolve", err, request_id=request.request_id)
+                found = None
             owner, namespace = found if found is not None else (None, None)
             tracked = _Tracked(owner, namespace, tuple(request.prompt_token_ids or ()))
             self._requests[request.request_id] = tracked
@@ -67,7 +78,13 @@ class SchedulerSide:
         # report the block holding the last prompt token: vLLM must compute at least one.
         full = len(tracked.prompt) // self._block * self._block
         usable = (len(tracked.prompt) - 1) // self._block * self._block
-        tracked.cached = tracked.namespace.cached_length(list(tracked.prompt[:full]))
+        try:
+            tracked.cached = tracked.namespace.cached_length(list(tracked.prompt[:full]))
+        except ENGINE_FAILURES as err:
+            self._engine.failed("lookup", err, request_id=request.request_id)
+            # no cache for this request from now on: nothing to load, nothing to save
+            tracked.owner, tracked.namespace, tracked.cached = None, None, 0
+            return 0, False
         new = min(tracked.cached, usable) - num_computed_tokens
         if new <= 0:
             return 0, False
