@@ -42,7 +42,7 @@ from .services.gc import collect as gc_collect
 from .services.namespace import Namespace, open_namespace
 from .services.purge import PurgeReport
 from .services.setup import prepare_index
-from .services.tenants import TenantInfo
+from .services.tenants import TenantIncarnation, TenantInfo
 from .services.tokens import TokenService
 from .storage import BlockStore, StorageError
 
@@ -175,6 +175,12 @@ class TenantKV:
 
     def get_tenant(self, name: str) -> TenantInfo:
         return tenants.get_tenant(self._open(), name)
+
+    def tenant_incarnation(self, name: str) -> TenantIncarnation | None:
+        """Which tenant holds ``name`` now (its incarnation id and creation time), or None; what
+        engines check a tenant assertion against, so that one issued to a deleted tenant does
+        not open the cache of the next tenant of its name."""
+        return tenants.current_incarnation(self._open(), name)
 
     def list_tenants(self) -> list[TenantInfo]:
         return tenants.list_tenants(self._open())

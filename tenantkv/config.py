@@ -14,6 +14,7 @@ state shared by every node, changed only by an explicit, audited operator call
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from .storage import BlockStore, BlockStoreUrlError, check_block_store_url, open
 DEFAULT_ROOT = "./tenantkv-data"
 ENV_PREFIX = "TENANTKV_"
 MiB = 2**20
+#: The longest duration a setting takes (a year): finite, and far below the timeouts' limits.
+MAX_SECONDS = 366 * 86400.0
 
 
 def default_database_url(root: Path) -> str:
@@ -190,12 +193,12 @@ class CacheConfig:
                 raise InvalidRequestError(f"{name} must be True, False or None, got {value!r}")
         if self.staging_bytes < self.staging_slot_bytes:
             raise InvalidRequestError("staging_bytes must hold at least one staging slot")
-        for name in ("lease_seconds", "hit_cost"):
-            _check_positive_number(name, getattr(self, name))
-        _check_positive_number("orphan_grace", self.orphan_grace, allow_zero=True)
-        _check_positive_number("scrub_timeout", self.scrub_timeout, allow_zero=True)
+        _check_positive_number("lease_seconds", self.lease_seconds, maximum=MAX_SECONDS)
+        _check_positive_number("hit_cost", self.hit_cost, maximum=1.0)
+        for name in ("orphan_grace", "scrub_timeout"):
+            _check_positive_number(name, getattr(self, name), maximum=MAX_SECONDS, allow_zero=True)
         if self.gc_interval is not None:
-            _check_positive_number("gc_interval", self.gc_interval)
+            _check_positive_number("gc_interval", self.gc_interval, maximum=MAX_SECONDS)
         if self.block_store_url is not None:
             try:  # refuse an unsupported URL early, before anything is opened
                 check_block_store_url(self.block_store_url)
@@ -333,11 +336,20 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_positive_number(name: str, value: Any, *, allow_zero: bool = False) -> None:
+def _check_positive_number(
+    name: str, value: Any, *, maximum: float, allow_zero: bool = False
+) -> None:
+    """A finite number in (0, ``maximum``] (or [0, ...]). NaN compares false with everything,
+    so ``value < 0`` alone let a NaN through, and every later comparison with it is false too
+    (a deadline that never comes, or one always past); infinity overflows the timeouts it
+    becomes (``threading``'s waits refuse more than ``threading.TIMEOUT_MAX``)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise InvalidRequestError(f"{name} must be positive, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        least = "non-negative" if allow_zero else "positive"
+        raise InvalidRequestError(f"{name} must be a finite {least} number, got {value!r}")
+    if value > maximum:
+        raise InvalidRequestError(f"{name} must be at most {maximum:g}, got {value!r}")
 
 
 def default_root() -> str:

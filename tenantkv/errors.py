@@ -93,7 +93,8 @@ class MasterKeyError(TenantKVError, _CryptoMasterKeyError):
 class TenantAssertionError(TenantKVError):
     """A tenant assertion was refused (``tenantkv.tenant_assertion``); ``reason`` is one of that
     module's reason names (``missing``, ``malformed``, ``unknown_key``, ``forged``, ``expired``,
-    ``not_yet_valid``, ``too_long_lived``, ``wrong_audience``)."""
+    ``not_yet_valid``, ``too_long_lived``, ``wrong_audience``, ``no_incarnation``,
+    ``stale_incarnation``)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")

@@ -13,7 +13,8 @@ Format (one ASCII string, like a compact JWS)::
     tkva1.<payload>.<signature>
 
 ``payload`` is base64url (no padding) of canonical JSON
-``{"aud": str|null, "exp": int, "iat": int, "kid": str, "scp": str|null, "ten": str, "v": 1}``;
+``{"aud": str|null, "exp": int, "iat": int, "inc": str, "kid": str, "scp": str|null, "ten": str,
+"v": 1}`` (``inc`` only when the gateway knows it, see below);
 ``signature`` is base64url of the 64-byte Ed25519 signature over the ASCII bytes
 ``tkva1.<payload>``. ``kid`` names the gateway key (the first 16 bytes of SHA-256 of its raw
 public key, in hex, as the audit log names its signing keys), so nodes can hold several keys
@@ -21,10 +22,23 @@ while a gateway key is rotated. Times are whole seconds since the epoch.
 
 Verification checks, in this order, and stops at the first failure: size and shape, a known
 ``kid``, the signature (nothing in the payload is believed before it), then the fields,
-expiry, issue time (allowing ``clock_skew``), lifetime (at most ``max_lifetime``) and audience.
+expiry, issue time (allowing ``clock_skew``), lifetime (at most ``max_lifetime``), audience and,
+with ``require_incarnation``, that ``inc`` is there.
 A failure raises :class:`~tenantkv.errors.TenantAssertionError` whose ``reason`` says which
 check failed; engines turn it into a miss plus a security event, never an error for the
 request.
+
+An assertion names a tenant, and a tenant deleted and created again under the same name is
+another tenant (another incarnation: new keys, new id, empty cache). So an assertion is bound to
+the incarnation it was issued for, checked against the tenant the cache holds now
+(:meth:`AssertionVerifier.check_incarnation`, which engines call once they have looked the
+tenant up): it is refused (``stale_incarnation``) when its ``inc`` names another incarnation,
+or when it was issued before the tenant was created, allowing ``clock_skew``. ``inc`` is the
+tenant's incarnation id (``TenantInfo.incarnation``: its random 16-byte id in hex, also in the
+admin API's tenant records), which the gateway fetches and passes to :meth:`AssertionSigner.sign`.
+The time comparison alone cannot tell an assertion issued to a tenant deleted and re-created
+within ``clock_skew`` from one issued to the new tenant; ``inc`` can, and a verifier with
+``require_incarnation`` refuses assertions without it (``no_incarnation``).
 
 An assertion is a bearer token until it expires: keep lifetimes short (the default maximum is
 5 minutes) and pass it only from the gateway to the engine, never back to the client.
@@ -35,6 +49,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -57,8 +72,12 @@ PREFIX: Final = "tkva1"
 MAX_ASSERTION_CHARS: Final = 2048
 #: Longest lifetime (exp - iat) a verifier accepts unless configured otherwise.
 DEFAULT_MAX_LIFETIME: Final = 300.0
-#: How far a gateway's clock may run ahead of a node's.
+#: How far a gateway's clock may run ahead of a node's (or behind it, for the creation check).
 DEFAULT_CLOCK_SKEW: Final = 30.0
+#: Bounds of the settings: an assertion is a bearer token, so no node accepts one living over an
+#: hour, nor a gateway clock more than ten minutes off; a signer mints nothing longer either.
+MAX_LIFETIME_LIMIT: Final = 3600.0
+MAX_CLOCK_SKEW: Final = 600.0
 _MAX_LABEL = 256
 _SIGNATURE_BYTES = 64
 
@@ -71,6 +90,10 @@ EXPIRED: Final = "expired"
 NOT_YET_VALID: Final = "not_yet_valid"
 TOO_LONG_LIVED: Final = "too_long_lived"
 WRONG_AUDIENCE: Final = "wrong_audience"
+NO_INCARNATION: Final = "no_incarnation"
+STALE_INCARNATION: Final = "stale_incarnation"
+#: An incarnation id: the tenant's random 16-byte id in lowercase hex.
+_INCARNATION_HEX = 32
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,8 @@ class TenantAssertion:
     issued_at: int
     expires_at: int
     key_id: str
+    #: The tenant incarnation the gateway issued it for (None: the gateway did not say).
+    incarnation: str | None = None
 
 
 def _b64encode(data: bytes) -> str:
@@ -106,6 +131,49 @@ def _check_label(name: str, value: Any, *, optional: bool) -> str | None:
     if not value.isprintable():
         raise TenantAssertionError(MALFORMED, f"{name} must be printable")
     return value
+
+
+def _check_incarnation_id(value: Any) -> str:
+    if (
+        not isinstance(value, str)
+        or len(value) != _INCARNATION_HEX
+        or value.strip("0123456789abcdef")
+    ):
+        raise TenantAssertionError(
+            MALFORMED, f"inc must be {_INCARNATION_HEX} lowercase hex characters"
+        )
+    return value
+
+
+def check_seconds(
+    name: str, value: Any, *, minimum: float, maximum: float, open_minimum: bool = False
+) -> float:
+    """``value`` as seconds if it is a finite number from ``minimum`` (excluded with
+    ``open_minimum``) to ``maximum``; else :class:`InvalidRequestError` naming the setting. NaN
+    compares false with everything, so a NaN lifetime or skew would switch its check off."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"{name} must be a number of seconds, got {value!r}")
+    low_ok = value > minimum if open_minimum else value >= minimum
+    if not math.isfinite(value) or not low_ok or value > maximum:
+        low = f"more than {minimum:g}" if open_minimum else f"{minimum:g}"
+        raise InvalidRequestError(
+            f"{name} must be a finite number of seconds from {low} to {maximum:g}, got {value!r}"
+        )
+    return float(value)
+
+
+def lifetime_setting(name: str, raw: Any) -> float:
+    """A node's configured ``max_lifetime`` (engines' ``max_assertion_lifetime``: a number or
+    its text, from a JSON or command-line config; absent: the default), checked as the
+    verifier checks it, with the error naming the setting as the operator wrote it."""
+    if raw is None:
+        return DEFAULT_MAX_LIFETIME
+    if isinstance(raw, str):
+        try:
+            raw = float(raw)
+        except ValueError:
+            raise InvalidRequestError(f"{name} must be a number of seconds, got {raw!r}") from None
+    return check_seconds(name, raw, minimum=1.0, maximum=MAX_LIFETIME_LIMIT)
 
 
 def gateway_key_id(public_key: Ed25519PublicKey) -> str:
@@ -163,18 +231,23 @@ class AssertionSigner:
         scope: str | None = None,
         audience: str | None = None,
         ttl: float = 60.0,
+        incarnation: str | None = None,
     ) -> str:
-        """An assertion that ``tenant`` (and ``scope``) sent this request, valid ``ttl`` s."""
+        """An assertion that ``tenant`` (and ``scope``) sent this request, valid ``ttl`` s.
+
+        ``incarnation`` (the tenant's ``TenantInfo.incarnation``) binds it to the tenant as it
+        is now: should the tenant be deleted and created again, the assertion is refused."""
         try:
             _check_label("tenant", tenant, optional=False)
             _check_label("scope", scope, optional=True)
             _check_label("audience", audience, optional=True)
+            if incarnation is not None:
+                _check_incarnation_id(incarnation)
         except TenantAssertionError as err:
             raise InvalidRequestError(str(err)) from None
-        if not ttl > 0:
-            raise InvalidRequestError("ttl must be positive")
+        ttl = check_seconds("ttl", ttl, minimum=0.0, maximum=MAX_LIFETIME_LIMIT, open_minimum=True)
         now = int(self._clock())
-        claims = {
+        claims: dict[str, Any] = {
             "aud": audience,
             "exp": now + max(1, int(ttl)),
             "iat": now,
@@ -183,6 +256,8 @@ class AssertionSigner:
             "ten": tenant,
             "v": 1,
         }
+        if incarnation is not None:
+            claims["inc"] = incarnation
         canonical = json.dumps(claims, sort_keys=True, separators=(",", ":"))
         signed = f"{PREFIX}.{_b64encode(canonical.encode('utf-8'))}"
         return f"{signed}.{_b64encode(self._key.sign(signed.encode('ascii')))}"
@@ -193,6 +268,10 @@ class AssertionVerifier:
 
     ``audience``, when set, must equal the assertion's ``aud`` (an assertion minted for another
     deployment is refused); an assertion with an audience is refused by a verifier without one.
+    ``max_lifetime`` (seconds, 1 to ``MAX_LIFETIME_LIMIT``) and ``clock_skew`` (0 to
+    ``MAX_CLOCK_SKEW``) must be finite: a NaN would make their comparisons false and switch the
+    checks off. ``require_incarnation`` refuses assertions that do not name the tenant's
+    incarnation (the only binding that holds when a tenant is re-created within the skew).
     """
 
     def __init__(
@@ -202,14 +281,23 @@ class AssertionVerifier:
         audience: str | None = None,
         max_lifetime: float = DEFAULT_MAX_LIFETIME,
         clock_skew: float = DEFAULT_CLOCK_SKEW,
+        require_incarnation: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        # Lifetimes are whole seconds, at least 1: a maximum below 1 s would refuse them all.
+        self._max_lifetime = check_seconds(
+            "max_lifetime", max_lifetime, minimum=1.0, maximum=MAX_LIFETIME_LIMIT
+        )
+        self._skew = check_seconds("clock_skew", clock_skew, minimum=0.0, maximum=MAX_CLOCK_SKEW)
+        if not isinstance(require_incarnation, bool):
+            raise InvalidRequestError(
+                f"require_incarnation must be True or False, got {require_incarnation!r}"
+            )
         self._keys: dict[str, Ed25519PublicKey] = {gateway_key_id(k): k for k in public_keys}
         if not self._keys:
             raise InvalidRequestError("a verifier needs at least one gateway key")
         self._audience = audience
-        self._max_lifetime = max_lifetime
-        self._skew = clock_skew
+        self._require_incarnation = require_incarnation
         self._clock = clock
 
     @classmethod
@@ -275,4 +363,30 @@ class AssertionVerifier:
             )
         if audience != self._audience:
             raise TenantAssertionError(WRONG_AUDIENCE, "minted for another deployment")
-        return TenantAssertion(tenant, scope, audience, issued, expires, str(claims.get("kid")))
+        raw_incarnation = claims.get("inc")
+        incarnation = None if raw_incarnation is None else _check_incarnation_id(raw_incarnation)
+        if incarnation is None and self._require_incarnation:
+            raise TenantAssertionError(NO_INCARNATION, "names no tenant incarnation")
+        return TenantAssertion(
+            tenant, scope, audience, issued, expires, str(claims.get("kid")), incarnation
+        )
+
+    def check_incarnation(
+        self, claims: TenantAssertion, *, incarnation: str, created_at: float
+    ) -> None:
+        """Refuse (``stale_incarnation``) an assertion issued for an earlier tenant of its name:
+        one naming another incarnation, or issued before the tenant that holds the name now was
+        created (``created_at``, the node's clock), allowing ``clock_skew`` since the gateway's
+        clock may run behind. Without ``inc`` only the time tells them apart, so a tenant
+        deleted and re-created within the skew still accepts the old tenant's assertions: bind
+        them with ``inc`` (and ``require_incarnation``) to close that too."""
+        if claims.incarnation is not None and claims.incarnation != incarnation:
+            raise TenantAssertionError(
+                STALE_INCARNATION, f"issued for an earlier tenant named {claims.tenant!r}"
+            )
+        if claims.issued_at + self._skew < math.floor(created_at):
+            raise TenantAssertionError(
+                STALE_INCARNATION,
+                f"issued {math.floor(created_at) - claims.issued_at} s before tenant "
+                f"{claims.tenant!r} was created",
+            )

@@ -167,7 +167,8 @@ def test_identity_rule_isolates_tenants_and_scopes(
             return None if found is None else found[1].cached_length(tokens)
 
         owner = engine.resolve({ASSERTION_PARAM: signer.sign("acme", scope="u1")})
-        assert owner is not None and owner[0] == RequestTenant("acme", "u1")
+        acme_now = kv.get_tenant("acme").incarnation  # owners are bound to the tenant now
+        assert owner is not None and owner[0] == RequestTenant("acme", "u1", acme_now)
         assert owner[1].store(tokens, random_layers(MHA_SMALL, 96)) == 96
         # positive control: the owner's next request hits, a client salt changes nothing
         assert cached(signer.sign("acme", scope="u1")) == 96

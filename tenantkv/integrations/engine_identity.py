@@ -7,6 +7,10 @@ the main suite. The rule:
   (:mod:`tenantkv.tenant_assertion`), verified with the gateway keys configured on the node.
 * A client-chosen value (vLLM's ``cache_salt``, SGLang's extra keys) never selects a tenant:
   it is not read here at all.
+* The assertion is bound to the tenant that holds its name now: one issued to a tenant since
+  deleted (and perhaps created again under the same name) is refused (``stale_incarnation``),
+  and an owner carries the incarnation it was checked against, so a namespace opened later for
+  it (the worker side of vLLM, after the scheduler side's check) is that incarnation's or none.
 * A missing, malformed, forged, expired or otherwise refused assertion gives *no* cache for the
   request (it is computed as without a cache) plus a ``tenant_assertion_refused`` security event:
   counted at once, logged at most once a minute, and audited on the system chain as one record
@@ -35,7 +39,8 @@ from ..errors import InvalidRequestError, TenantAssertionError, TenantKVError, T
 from ..layout import KVLayout
 from ..security_events import LogLimiter
 from ..services.namespace import Namespace
-from ..tenant_assertion import AssertionVerifier
+from ..services.tenants import TenantIncarnation, incarnation_hex
+from ..tenant_assertion import AssertionVerifier, TenantAssertion
 
 logger = logging.getLogger("tenantkv")
 
@@ -79,10 +84,13 @@ class EngineErrors:
 
 @dataclass(frozen=True)
 class RequestTenant:
-    """The verified owner of a request's cache."""
+    """The verified owner of a request's cache: the tenant (and scope), and the incarnation of
+    the tenant its assertion was checked against. Every owner made from an assertion carries
+    one; None (no binding: whichever tenant holds the name) is for trusted callers only."""
 
     tenant: str
     scope: str | None
+    incarnation: str | None = None
 
 
 class EngineNamespaces:
@@ -109,6 +117,7 @@ class EngineNamespaces:
         self.layout = layout
         self.block_tokens = block_tokens
         self._namespaces: dict[RequestTenant, Namespace] = {}
+        self._incarnations: dict[str, TenantIncarnation] = {}
         self._revocations = kv.context.keys.revocations
         self._lock = threading.Lock()
         #: Counts and logs errors that made a call a miss (``failed(operation, err)``).
@@ -119,17 +128,64 @@ class EngineNamespaces:
         self, params: Mapping[str, Any] | None, *, request_id: str = ""
     ) -> RequestTenant | None:
         """The owner that the request's assertion names, or None (then: no cache, and a
-        security event). Nothing else in ``params`` and nothing the client chose is read."""
+        security event, unless the tenant does not exist). Nothing else in ``params`` and nothing
+        the client chose is read."""
         raw = params.get(ASSERTION_PARAM) if isinstance(params, Mapping) else None
         try:
-            claims = self._verifier.verify(raw)
+            owner = self.owner_of(self._verifier.verify(raw))
         except TenantAssertionError as err:
             # counted now, audited per window off this thread (the engine's scheduler)
             self.kv.context.incidents.refused(
                 ASSERTION_REFUSED, err.reason, f"request {request_id[:128]!r}: {err}"
             )
             return None
-        return RequestTenant(claims.tenant, claims.scope)
+        return owner
+
+    def owner_of(self, claims: TenantAssertion) -> RequestTenant | None:
+        """The owner a verified assertion names, bound to the incarnation of its tenant now;
+        None when no tenant has that name. Raises TenantAssertionError
+        (``stale_incarnation``) for an assertion issued to an earlier tenant of the name.
+
+        Incarnations are kept, like namespaces, until the keyring forgets keys (as a deletion
+        anywhere makes it); one that refuses an assertion is read again first, so a tenant
+        re-created on another node is not refused for this node's stale memory of it."""
+        current = self._current_incarnation(claims.tenant, fresh=False)
+        if current is None:
+            return None
+        try:
+            self._verifier.check_incarnation(
+                claims, incarnation=current.incarnation, created_at=current.created_at
+            )
+        except TenantAssertionError:
+            current = self._current_incarnation(claims.tenant, fresh=True)
+            if current is None:
+                return None
+            self._verifier.check_incarnation(
+                claims, incarnation=current.incarnation, created_at=current.created_at
+            )
+        return RequestTenant(claims.tenant, claims.scope, current.incarnation)
+
+    def _current_incarnation(self, tenant: str, *, fresh: bool) -> TenantIncarnation | None:
+        with self._lock:
+            self._drop_if_revoked()
+            cached = None if fresh else self._incarnations.get(tenant)
+        if cached is not None:
+            return cached
+        current = self.kv.tenant_incarnation(tenant)
+        with self._lock:
+            if current is None:
+                self._incarnations.pop(tenant, None)
+            else:
+                self._incarnations[tenant] = current
+        return current
+
+    def _drop_if_revoked(self) -> None:
+        """Forget namespaces and incarnations once the keyring forgot keys (under the lock)."""
+        revocations = self.kv.context.keys.revocations
+        if revocations != self._revocations:
+            self._namespaces.clear()
+            self._incarnations.clear()
+            self._revocations = revocations
 
     def namespace(self, owner: RequestTenant) -> Namespace | None:
         """The owner's namespace for this engine's model and layout; None when the tenant does
@@ -139,12 +195,11 @@ class EngineNamespaces:
         Namespaces (which hold their clear hashing key) are kept until the keyring forgets keys
         (a tenant deleted, keys retired, here or on another node): then all are dropped, so a
         deleted tenant's key does not outlive its shredding here, and a tenant created again
-        under the same name gets its own namespace."""
-        revocations = self.kv.context.keys.revocations
+        under the same name gets its own namespace. An owner bound to an incarnation gets
+        that incarnation's namespace or None, never the namespace of a later tenant of the
+        name."""
         with self._lock:
-            if revocations != self._revocations:
-                self._namespaces.clear()
-                self._revocations = revocations
+            self._drop_if_revoked()
             cached = self._namespaces.get(owner)
         if cached is not None:
             return cached
@@ -162,6 +217,11 @@ class EngineNamespaces:
             return None
         except ENGINE_FAILURES as err:  # the index failed, the cache closed: a miss
             self.failed("namespace", err)
+            return None
+        if owner.incarnation is not None and owner.incarnation != incarnation_hex(
+            namespace.identity.tenant_id
+        ):
+            logger.info("no cache for tenant %r: it was deleted since its check", owner.tenant)
             return None
         with self._lock:
             return self._namespaces.setdefault(owner, namespace)

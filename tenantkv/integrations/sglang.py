@@ -45,17 +45,16 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from ..errors import TenantKVError
+from ..errors import TenantAssertionError, TenantKVError
 from ..layout import KVLayout
 from ..services.namespace import Namespace
-from ..tenant_assertion import DEFAULT_MAX_LIFETIME, AssertionVerifier
+from ..tenant_assertion import AssertionVerifier, lifetime_setting
 from .engine_cache import read_pems, shared_cache
 from .engine_identity import (
     ASSERTION_PARAM,
     ENGINE_FAILURES,
     EngineErrors,
     EngineNamespaces,
-    RequestTenant,
 )
 
 logger = logging.getLogger("tenantkv")
@@ -82,7 +81,10 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._verifier = AssertionVerifier.from_pem(
             read_pems(extra.get("gateway_public_keys")),
             audience=extra.get("audience"),
-            max_lifetime=float(extra.get("max_assertion_lifetime", DEFAULT_MAX_LIFETIME)),
+            max_lifetime=lifetime_setting(
+                "max_assertion_lifetime", extra.get("max_assertion_lifetime")
+            ),
+            require_incarnation=extra.get("require_incarnation", False),
         )
         self._model = str(extra.get("model") or storage_config.model_name or "sglang-model")
         self._assertion = extra.get(ASSERTION_PARAM)
@@ -113,8 +115,8 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             assertion = self._deployment_assertion()
         engine = self._engine(page)
         try:
-            claims = self._verifier.verify(assertion)
-        except TenantKVError:
+            owner = engine.owner_of(self._verifier.verify(assertion))
+        except TenantAssertionError:  # refused (an index failure: the caller counts a miss)
             key = assertion if isinstance(assertion, str) else ""
             with self._lock:
                 first = key not in self._refused
@@ -124,8 +126,7 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if first:  # one security event per refused assertion, not one per page
                 engine.identify({ASSERTION_PARAM: assertion}, request_id="sglang-hicache")
             return None
-
-        return engine.namespace(RequestTenant(claims.tenant, claims.scope))
+        return None if owner is None else engine.namespace(owner)
 
     def _engine(self, page: torch.Tensor) -> EngineNamespaces:
         """The namespaces for pages of this size and dtype (the layout of an opaque page)."""

@@ -25,7 +25,7 @@ class Settings(BaseSettings):
         description="serve /metrics without a token (for a scraper on a trusted network)",
     )
     max_token_ttl_seconds: float = Field(default=90 * 86400.0, gt=0, le=366 * 86400.0)
-    default_token_ttl_seconds: float | None = Field(default=30 * 86400.0, gt=0)
+    default_token_ttl_seconds: float | None = Field(default=30 * 86400.0, gt=0, le=366 * 86400.0)
     max_body_bytes: int = Field(
         default=64 * 1024,
         ge=1024,

@@ -47,6 +47,26 @@ class TenantInfo:
     retention: Mapping[str, float] | None = None  # class -> seconds
     used_bytes: int = 0
     key_versions: tuple[int, ...] = ()
+    #: Which tenant of this name this is: its random id in hex, new each time the name is
+    #: created. A gateway puts it in its assertions (``AssertionSigner.sign(incarnation=)``)
+    #: so that they are refused once this tenant is deleted, whoever takes the name next.
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class TenantIncarnation:
+    """What binds a tenant assertion to the tenant holding the name now (and nothing else of
+    the tenant: engines look it up on their serving path)."""
+
+    name: str
+    incarnation: str
+    created_at: float
+
+
+def incarnation_hex(tenant_id: bytes) -> str:
+    """The incarnation id of the tenant whose row id is ``tenant_id`` (the audit log's chains
+    name an incarnation by its first 16 characters)."""
+    return tenant_id.hex()
 
 
 def check_tenant_name(name: Any) -> str:
@@ -81,6 +101,7 @@ def _info(session: Session, row: Tenant) -> TenantInfo:
         retention=loads_retention(row.retention),
         used_bytes=tenant_bytes(session, row.id),
         key_versions=versions,
+        incarnation=incarnation_hex(row.id),
     )
 
 
@@ -223,6 +244,16 @@ def _given(retention: Mapping[str, Any]) -> dict[str, float]:
 def get_tenant(ctx: CacheContext, name: str) -> TenantInfo:
     with ctx.index.read() as session:
         return _info(session, _row(session, name))
+
+
+def current_incarnation(ctx: CacheContext, name: str) -> TenantIncarnation | None:
+    """The incarnation of the tenant named ``name`` now, or None when there is none (one row
+    read, no sums: engines ask it for the tenants of the requests they serve)."""
+    with ctx.index.read() as session:
+        row = tenant_rows.find(session, name)
+        if row is None:
+            return None
+        return TenantIncarnation(row.name, incarnation_hex(row.id), row.created_at)
 
 
 def list_tenants(ctx: CacheContext) -> list[TenantInfo]:

@@ -9,7 +9,9 @@ Extra config keys:
   ahead of the model (``window``; the library's default is one per core, at least 2).
 * ``gateway_public_keys`` (required): PEM text or paths of PEM files of the gateways' Ed25519
   public keys; ``audience``: the deployment name assertions must carry;
-  ``max_assertion_lifetime``: seconds (default 300).
+  ``max_assertion_lifetime``: seconds (default 300, at most 3600; a finite number);
+  ``require_incarnation``: refuse assertions that do not name the tenant's incarnation
+  (default false; see ``tenantkv.tenant_assertion``).
 * ``model``: the model's name in namespaces (default: vLLM's ``model``), ``revision`` likewise.
 * ``load_async``: load between scheduler steps (``True``) instead of layer by layer during the
   forward pass (``False``, the default).
@@ -30,7 +32,7 @@ from ...api import TenantKV
 from ...config import CacheConfig
 from ...errors import InvalidRequestError
 from ...layout import KVLayout
-from ...tenant_assertion import DEFAULT_MAX_LIFETIME, AssertionVerifier
+from ...tenant_assertion import AssertionVerifier, lifetime_setting
 from ..engine_cache import read_pems
 from ..engine_cache import shared_cache as _shared_cache
 
@@ -51,6 +53,7 @@ class ConnectorSettings:
     gateway_public_keys: tuple[bytes, ...]
     audience: str | None
     max_assertion_lifetime: float
+    require_incarnation: bool
     model: str
     revision: str | None
     load_async: bool
@@ -65,7 +68,10 @@ class ConnectorSettings:
             open_options=_with_engine_window(dict(extra.get("open_options") or {})),
             gateway_public_keys=read_pems(extra.get("gateway_public_keys")),
             audience=extra.get("audience"),
-            max_assertion_lifetime=float(extra.get("max_assertion_lifetime", DEFAULT_MAX_LIFETIME)),
+            max_assertion_lifetime=lifetime_setting(
+                "max_assertion_lifetime", extra.get("max_assertion_lifetime")
+            ),
+            require_incarnation=_flag("require_incarnation", extra.get("require_incarnation")),
             model=str(extra.get("model") or default_model),
             revision=extra.get("revision"),
             load_async=bool(extra.get("load_async", False)),
@@ -76,7 +82,16 @@ class ConnectorSettings:
             self.gateway_public_keys,
             audience=self.audience,
             max_lifetime=self.max_assertion_lifetime,
+            require_incarnation=self.require_incarnation,
         )
+
+
+def _flag(name: str, raw: Any) -> bool:
+    if raw is None:
+        return False
+    if not isinstance(raw, bool):
+        raise InvalidRequestError(f"{name} must be true or false, got {raw!r}")
+    return raw
 
 
 def _with_engine_window(options: dict[str, Any]) -> dict[str, Any]:

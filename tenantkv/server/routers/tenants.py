@@ -49,6 +49,9 @@ class TenantOut(BaseModel):
     quota_bytes: int
     used_bytes: int
     retention: dict[str, float]
+    #: Which tenant of this name this is (new each time the name is created): what a gateway
+    #: binds its tenant assertions to (``AssertionSigner.sign(incarnation=)``).
+    incarnation: str
 
     @classmethod
     def of(cls, info: TenantInfo) -> TenantOut:
@@ -60,6 +63,7 @@ class TenantOut(BaseModel):
             quota_bytes=info.quota_bytes,
             used_bytes=info.used_bytes,
             retention=dict(info.retention or {}),
+            incarnation=info.incarnation,
         )
 
 
