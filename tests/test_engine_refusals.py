@@ -122,7 +122,7 @@ def test_refused_requests_are_counted_and_audited_per_window_off_the_engines_thr
         assert 1 <= len(lines) <= 2
         # positive control: a request with a valid assertion gets its hit
         owner = engine.resolve({ASSERTION_PARAM: signer.sign("acme")}, request_id="owner-2")
-        assert owner is not None and owner[0] == RequestTenant("acme", None)
+        assert owner is not None and (owner[0].tenant, owner[0].scope) == ("acme", None)
         assert owner[1].cached_length(tokens) == 96
     finally:
         kv.close()  # writes the window still open: closing loses no refusal
