@@ -166,6 +166,14 @@ MLA_BAD_LAYERS: dict[str, tuple[LayersCase, str]] = {
         ),
         r"layer 0 has layout torch.sparse_csr",
     ),
+    "nested-layer": (
+        lambda lay, n: _replace(
+            _mla_layers(lay, n),
+            1,
+            torch.nested.nested_tensor(list(_mla_layers(lay, n)[1].split(64)), layout=torch.jagged),
+        ),
+        r"layer 1 is a nested tensor",
+    ),
 }
 
 
@@ -318,6 +326,12 @@ BAD_TOKENS: dict[str, tuple[Any, str]] = {
     "dict": ({0: 1}, r"tokens must be a list of ints.*got dict"),
     "meta-tensor": (torch.empty(128, dtype=torch.int64, device="meta"), r"tokens is on the meta"),
     "sparse-tensor": (torch.tensor(_VALID).to_sparse(), r"tokens has layout torch.sparse_coo"),
+    "nested-tensor": (
+        torch.nested.nested_tensor(
+            [torch.tensor(_VALID[:64]), torch.tensor(_VALID[64:])], layout=torch.jagged
+        ),
+        r"tokens is a nested tensor",
+    ),
 }
 
 
@@ -530,6 +544,15 @@ BAD_OUT: dict[str, tuple[str, Callable[[], list[Any]], str]] = {
         lambda: [_out_mla()[0], _out_mla()[1].to_sparse(), _out_mla()[2]],
         r"out\[1\] has layout torch.sparse_coo",
     ),
+    "nested-buffer": (
+        "mla",
+        lambda: [
+            _out_mla()[0],
+            torch.nested.nested_tensor(list(_out_mla()[1].split(64)), layout=torch.jagged),
+            _out_mla()[2],
+        ],
+        r"out\[1\] is a nested tensor",
+    ),
     "overlapping-views": ("mla", _overlapping_views, r"out\[2\] shares memory with out\[0\]"),
     "same-buffer-twice": (
         "mla",
@@ -542,7 +565,7 @@ BAD_OUT: dict[str, tuple[str, Callable[[], list[Any]], str]] = {
 
 def _filled(out: list[Any]) -> bool:
     tensors = [t for entry in out for t in (entry if isinstance(entry, tuple) else (entry,))]
-    return all(t.is_meta or t.is_sparse or bool((t == _FILL).all()) for t in tensors)
+    return all(t.is_meta or t.is_sparse or t.is_nested or bool((t == _FILL).all()) for t in tensors)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_OUT))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import pytest
@@ -217,3 +218,24 @@ def test_public_paths_need_no_token_and_other_paths_do(api: Api) -> None:
     assert api.client.get("/v1/no-such-route").status_code == 401
     assert api.client.get("/v1/no-such-route", headers=api.operator).status_code == 404
     assert api.client.get("/metrics").status_code == 401
+
+
+def test_every_route_of_the_schema_but_healthz_refuses_an_anonymous_caller(api: Api) -> None:
+    """No route of the API is left outside the token gate: each answers an anonymous call with
+    401, and an operator's call with something else (the route exists and the gate lets a valid
+    token through: the positive control)."""
+    schema = api.client.get("/openapi.json").json()
+    calls = [
+        (method.upper(), re.sub(r"\{[^}]+\}", "acme", template))
+        for template, operations in schema["paths"].items()
+        for method in operations
+    ]
+    assert len(calls) >= 20  # the whole schema, not an empty one
+    for method, path in calls:
+        anonymous = api.client.request(method, path)
+        if path == "/healthz":
+            assert anonymous.status_code == 200
+            continue
+        assert anonymous.status_code == 401, (method, path)
+        assert anonymous.json() == UNAUTHORIZED
+        assert api.client.request(method, path, headers=api.operator).status_code != 401

@@ -14,6 +14,9 @@ the stored bytes); then the extent file is attacked on disk. Two failure classes
   ``lost_extents`` health counter grows, and no security event is recorded -- a shared tier
   that evicted the bytes or a disk that lost them is not an attack, and a disk attacker can
   always delete. Never wrong data, in either class.
+
+The last tests leave the bytes alone and edit the index's rows instead, as an operator with
+database access (and no master key) could.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from sqlalchemy import select
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV, crypto
 from tenantkv.datapath.extent_format import HEADER_BYTES, ExtentGeometry
+from tenantkv.index.schema import Block, Extent
 
 from .helpers import MHA_SMALL, MLA_SMALL, prefix_of, random_layers, random_tokens
 
@@ -527,3 +532,57 @@ def test_recovery_when_the_first_of_two_extents_was_dropped(kv: TenantKV, cache_
     assert whole.ns.lookup(tokens) == NUM_TOKENS
     assert load_bytes(whole.ns, tokens) == whole.expected
     assert kv.security_events().get(EVENT, 0) == 0
+
+
+# ---- the index's rows, edited by an operator with database access -----------------------------
+
+
+def _edit_rows(scene: Scene, attack: str) -> None:
+    """Change the victim's rows in the index the way a database operator could (no key needed)."""
+    victim_id, index = scene.victim.extent.stem, scene.kv.context.index
+    other_id = (
+        scene.other_tenant().extent.stem if attack == "blocks-to-other-tenants-extent" else ""
+    )
+    with index.write() as session:
+        blocks = session.scalars(
+            select(Block).where(Block.extent_id == victim_id).order_by(Block.slot)
+        ).all()
+        assert len(blocks) == NUM_BLOCKS
+        extent = session.get(Extent, victim_id)
+        assert extent is not None
+        if attack == "swap-block-slots":
+            blocks[0].slot, blocks[1].slot = blocks[1].slot, blocks[0].slot
+        elif attack == "edit-extent-salt":
+            extent.salt = bytes(b ^ 0x01 for b in extent.salt)
+        elif attack == "blocks-to-other-tenants-extent":
+            for block in blocks:
+                block.extent_id = other_id
+        else:  # "extent-key-version": a version the tenant never had
+            extent.key_version += 1
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "swap-block-slots",
+        "edit-extent-salt",
+        "blocks-to-other-tenants-extent",
+        "extent-key-version",
+    ],
+)
+def test_edited_index_rows_never_return_wrong_data(
+    kv: TenantKV, cache_root: Path, attack: str
+) -> None:
+    """Rows pointing at other bytes or keys fail to open (a security event, the extent dropped);
+    rows the load plan or key lookup cannot follow are a miss. The owner's exact load before the
+    edit (in make_scene) is the positive control."""
+    scene = make_scene(kv, cache_root, MLA_SMALL)
+    _edit_rows(scene, attack)
+    if attack in ("swap-block-slots", "edit-extent-salt"):
+        expect_integrity_failure(scene.victim, 0)
+        assert_dropped(kv, scene.victim)
+    else:
+        expect_lost(scene.victim)
+        assert kv.security_events().get(EVENT, 0) == 0
+    if scene.bystander is not None:  # the tenant whose extent the rows named keeps its data
+        assert load_bytes(scene.bystander.ns, scene.bystander.tokens) == scene.bystander.expected
