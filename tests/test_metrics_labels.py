@@ -87,3 +87,6 @@ def test_invented_methods_and_random_paths_add_no_label_values(api: Api) -> None
     assert invented == INVENTED
     unmatched = (("method", "GET"), ("route", UNMATCHED_ROUTE), ("status", "4xx"))
     assert samples[("tenantkv_http_requests_total", unmatched)] == RANDOM_PATHS
+    # A refused request to a real route is labelled with that route's template.
+    refused = (("method", OTHER_METHOD), ("route", "/v1/tenants"), ("status", "4xx"))
+    assert samples[("tenantkv_http_requests_total", refused)] == INVENTED // 2

@@ -46,8 +46,9 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.refusals = refusals
     errors.install(app)
-    for module in (system, tenants, tokens, audit):
-        app.include_router(module.router)
+    routers = [module.router for module in (system, tenants, tokens, audit)]
+    for router in routers:
+        app.include_router(router)
     public = {"/healthz", app.openapi_url, app.docs_url, app.redoc_url}
     if app.docs_url:
         public.add(f"{app.docs_url}/oauth2-redirect")
@@ -59,7 +60,9 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
         kv=kv,
         refusals=refusals,
         public={path for path in public if path},
-        routes=app.router.routes,
+        # the routers' own routes (full paths): the application's may be wrapped (FastAPI
+        # includes routers lazily), and the gate only needs their templates to label refusals
+        routes=[route for router in routers for route in router.routes],
     )
     app.add_middleware(RequestMiddleware, metrics=metrics)
     return app
