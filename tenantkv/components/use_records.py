@@ -98,8 +98,9 @@ class UseRecords:
         with self._lock:
             self.written += loads
         if classes and self._blocks.capabilities.expires:
-            # The store forgets extents by itself: restart their TTL too, by the tenant's
-            # longest class (never shorter than the index's expiry; GC removes them first).
+            # The store forgets extents by itself: restart their TTL too. The store applies
+            # its own rule (Redis: one fixed TTL for every extent, which reveals no class); the
+            # tenant's longest class is the hint its interface takes.
             try:
                 self._blocks.retain(set(uses) - gone, max(classes.values()))
             except StorageError as err:

@@ -220,11 +220,13 @@ def update_tenant(
 def _extend_store_ttls(
     ctx: CacheContext, extent_ids: list[str], given: Mapping[str, float], evicted: list[Evicted]
 ) -> None:
-    """A block store that expires extents by itself (Redis) got each one's TTL at its last
-    store or load. A longer retention must reach those TTLs now, or the store would drop
-    extents the index still serves (a lost extent: a miss, but a needless one). Each extent of
-    a changed class is kept at least the longest given retention from now: never shorter than
-    its index expiry, and GC removes its bytes once that passes. Best effort, like every TTL."""
+    """A block store that expires extents by itself got each one's TTL at its last store or
+    load; a changed retention restarts those TTLs now, passing the longest given class as the
+    hint :meth:`~storage.base.BlockStore.retain` takes. The store applies its own rule: Redis
+    gives every extent one fixed TTL at least the longest retention a tenant may have, so the
+    TTLs reveal no class, and the index stays what decides expiry (GC removes the bytes). A
+    store whose rule followed the hint would otherwise drop extents the index still serves.
+    Best effort, like every TTL."""
     gone = {e.extent_id for e in evicted}
     ids = [i for i in extent_ids if i not in gone]
     if not ids:
