@@ -184,8 +184,11 @@ class KeyFileProvider:
             temp.unlink()
 
 
-def default_master_key_provider(key_file: str | os.PathLike[str]) -> MasterKeyProvider:
-    """The environment variable when it is set, else the key file (created on first use)."""
+def default_master_key_provider(
+    key_file: str | os.PathLike[str], *, create: bool = True
+) -> MasterKeyProvider:
+    """The environment variable when it is set, else the key file (created on first use, unless
+    ``create`` is False)."""
     if os.environ.get(MASTER_KEY_ENV):
         return EnvKeyProvider()
-    return KeyFileProvider(key_file)
+    return KeyFileProvider(key_file, create=create)

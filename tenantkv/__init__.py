@@ -19,6 +19,7 @@ from .datapath.loader import LoadStream
 from .errors import (
     CacheClosedError,
     CacheMissError,
+    CacheNotFoundError,
     CacheUnavailableError,
     InvalidRequestError,
     LoadError,
@@ -44,6 +45,7 @@ __all__ = [
     "CacheClosedError",
     "CacheConfig",
     "CacheMissError",
+    "CacheNotFoundError",
     "CacheUnavailableError",
     "GcReport",
     "InvalidRequestError",

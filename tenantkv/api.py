@@ -40,6 +40,7 @@ from .services.audit import AuditService
 from .services.gc import BackgroundGc, GcReport, Progress
 from .services.gc import collect as gc_collect
 from .services.namespace import Namespace, open_namespace
+from .services.opening import FirstOpening, holds_cache, not_found
 from .services.purge import PurgeReport
 from .services.setup import prepare_index
 from .services.tenants import TenantIncarnation, TenantInfo
@@ -386,11 +387,19 @@ def open(
     allow_overcommit: bool | None = None,
     workers: int | None = None,
     load_threads: int | None = None,
+    create: bool = True,
     **settings: Any,
 ) -> TenantKV:
     """Open (creating if needed) a cache rooted at a directory, or as a :class:`CacheConfig`
     says; ``settings`` override fields of the config (see :mod:`tenantkv.config` for every
     setting and its default).
+
+    ``create=False`` opens an existing cache only: a root whose index holds none (a mistyped
+    path) raises CacheNotFoundError and nothing is created, not even the root directory. The
+    CLI opens that way everywhere but ``init`` and the demos. With ``create=True`` (the
+    default, for embedders and tests that open fresh roots), an opening that fails before the
+    cache exists removes what it created (``services/opening.py``); an existing index never
+    gets a new key file (a missing one is a MasterKeyError).
 
     Defaults are the embedded setup: SQLite index ``<root>/index.db`` (WAL), extents under
     ``<root>/blocks``, master key from ``TENANTKV_MASTER_KEY`` or the key file
@@ -416,13 +425,22 @@ def open(
     if load_threads is not None:
         settings.setdefault("load_workers", load_threads)
     config = config.with_overrides(**settings)
-    private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
-    wrapper = open_key_wrapper(config)
-    store = block_store or open_blocks(config)
-    context = build_context(
-        config, index=Database(config.index_url), blocks=store, key_wrapper=wrapper, clock=clock
-    )
-    kv = TenantKV(context, wrapper)
+    existing = holds_cache(config)  # creates nothing, not even the root
+    if not existing and not create:
+        raise not_found(config)
+    first = None if existing else FirstOpening(config)
+    try:
+        private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
+        wrapper = open_key_wrapper(config, create_key_file=not existing)
+        store = block_store or open_blocks(config)
+        context = build_context(
+            config, index=Database(config.index_url), blocks=store, key_wrapper=wrapper, clock=clock
+        )
+        kv = TenantKV(context, wrapper)  # closes what it was given if it fails
+    except BaseException:
+        if first is not None:
+            first.undo()
+        raise
     if capacity_bytes is not None or allow_overcommit is not None:
         warnings.warn(
             "open(capacity_bytes=, allow_overcommit=) is deprecated: the capacity is index "

@@ -263,12 +263,18 @@ class CacheConfig:
         return cls(**values)
 
 
-def open_key_wrapper(config: CacheConfig) -> KeyWrapper:
+def open_key_wrapper(config: CacheConfig, *, create_key_file: bool = True) -> KeyWrapper:
     """The master key the config names (the key file under the root by default); a key that
-    is missing or unreadable is a MasterKeyError."""
+    is missing or unreadable is a MasterKeyError.
+
+    ``create_key_file=False`` where the index already exists: a key file made now could never
+    open it (its key check was wrapped by the old key), so a missing file is an error rather
+    than a fresh ``master.key`` left behind by a failed opening."""
     if isinstance(config.master_key, KeyWrapper):
         return config.master_key
-    provider = config.master_key or default_master_key_provider(config.root / "master.key")
+    provider = config.master_key or default_master_key_provider(
+        config.root / "master.key", create=create_key_file
+    )
     try:
         return KeyEncryptionKey(provider.load())
     except crypto.MasterKeyError as err:

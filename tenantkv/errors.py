@@ -16,6 +16,9 @@
   assertion (missing, malformed, forged, expired, ...; ``reason`` says which). Engines turn it
   into a miss plus a security event, never a failed request.
 * :class:`MasterKeyError` -- the master key is missing, unreadable, or not this index's.
+* :class:`CacheNotFoundError` -- a root (or index) holds no tenantkv cache and the caller did not
+  ask to create one (``open(..., create=False)``: every CLI command but ``init``, ``demo`` and
+  ``walkthrough``). Nothing was created.
 * :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
   ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
 
@@ -78,6 +81,11 @@ class LoadRevokedError(LoadError):
 
 class SegmentIntegrityError(LoadError):
     """A stored segment failed to open: the extent was evicted and a security event recorded."""
+
+
+class CacheNotFoundError(TenantKVError):
+    """The root holds no tenantkv cache (a mistyped path, an empty index) and the opening was not
+    allowed to create one; nothing was created, not even the root directory or a key file."""
 
 
 class SchemaVersionError(TenantKVError):

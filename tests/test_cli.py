@@ -47,6 +47,7 @@ def test_info_reports_what_the_cache_holds(
     assert info["stored_bytes"] == 2 * 256 * 1152
 
 
+@pytest.mark.usefixtures("index")
 def test_info_on_a_missing_root_fails_clearly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -40,8 +40,13 @@ def test_reopen_with_another_master_key_is_refused(cache_root: Path) -> None:
         )
     key = (cache_root / "master.key").read_bytes()
     (cache_root / "master.key").unlink()
+    with pytest.raises(MasterKeyError, match="does not exist"):
+        tenantkv.open(cache_root)  # a key file made now could never open this index
+    assert not (cache_root / "master.key").exists()  # and the failed open left none behind
+    (cache_root / "master.key").write_text(secrets.token_hex(32) + "\n")
+    (cache_root / "master.key").chmod(0o600)
     with pytest.raises(MasterKeyError, match="does not open this cache"):
-        tenantkv.open(cache_root)  # a fresh key file is created, and does not match
+        tenantkv.open(cache_root)  # another key
     (cache_root / "master.key").unlink()
     (cache_root / "master.key").write_bytes(key)
     (cache_root / "master.key").chmod(0o600)

@@ -15,7 +15,7 @@ import tenantkv
 from tenantkv import TenantKV
 from tenantkv.audit import Attribution
 from tenantkv.errors import InvalidRequestError, TenantNotFoundError
-from tenantkv.services.tokens import AuthError, Principal, token_id_of
+from tenantkv.services.tokens import BOOTSTRAP_TTL_SECONDS, AuthError, Principal, token_id_of
 from tests.helpers import ManualClock
 from tests.indexes import Index
 
@@ -152,12 +152,25 @@ def test_expiry_and_a_tenant_admins_bounded_lifetime(kv: TenantKV, clock: Manual
         kv.tokens.authenticate(token)
 
 
-def test_the_first_operator_token_is_made_once(kv: TenantKV) -> None:
+def test_the_first_operator_token_is_made_once_per_index_and_expires(
+    kv: TenantKV, clock: ManualClock
+) -> None:
     first = kv.tokens.ensure_first_operator()
     assert first is not None and kv.tokens.authenticate(first).role == "operator"
+    assert kv.tokens.authenticate(first).expires_at == clock.now + BOOTSTRAP_TTL_SECONDS
     assert kv.tokens.ensure_first_operator() is None
     kv.tokens.revoke(token_id_of(first))
-    assert kv.tokens.ensure_first_operator() is not None  # none usable any more
+    assert kv.tokens.ensure_first_operator() is None  # revoked: recovered on the host, not here
+    clock.advance(BOOTSTRAP_TTL_SECONDS + 1)
+    assert kv.tokens.ensure_first_operator() is None  # expired: the same
+    (record,) = [r for r in records(kv, "token.create") if r["target"] == token_id_of(first)]
+    assert record["details"]["purpose"] == "bootstrap"
+
+
+def test_a_bootstrap_token_must_expire(kv: TenantKV) -> None:
+    with pytest.raises(InvalidRequestError, match="expiry"):
+        kv.tokens.ensure_first_operator(None)  # type: ignore[arg-type]
+    assert kv.tokens.ensure_first_operator(3600) is not None  # positive control
 
 
 def test_a_mint_commits_with_its_audit_record_or_not_at_all(

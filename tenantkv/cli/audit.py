@@ -25,6 +25,7 @@ from typing import IO
 from ..audit import EXPORT_FORMATS, ROLE_OPERATOR, Attribution, AuditError, verify_export
 from ..config import config_for_root, default_root
 from ..crypto import MasterKeyError
+from ..errors import CacheNotFoundError
 
 
 def parse_time(text: str) -> float:
@@ -102,7 +103,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print("tenantkv audit: --since must be before --until", file=sys.stderr)
         return 2
     try:
-        with open_cache(config_for_root(args.root)) as kv:
+        with open_cache(config_for_root(args.root), create=False) as kv:
             kv.audit.record_export(  # the export is itself audited, before it runs
                 Attribution(_actor(), ROLE_OPERATOR),
                 tenant=args.tenant,
@@ -119,7 +120,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             )
             with _output(args.output) as out:
                 count = _write_lines(lines, out)
-    except (AuditError, MasterKeyError, OSError) as err:
+    except (AuditError, MasterKeyError, CacheNotFoundError, OSError) as err:
         print(f"tenantkv audit: {err}", file=sys.stderr)
         return 2
     if args.output not in (None, "-"):
@@ -131,9 +132,9 @@ def _cmd_public_key(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
     try:
-        with open_cache(config_for_root(args.root)) as kv:
+        with open_cache(config_for_root(args.root), create=False) as kv:
             pem = kv.audit.public_key_pem(create=True)  # creates the key on first use
-    except (AuditError, MasterKeyError, OSError) as err:
+    except (AuditError, MasterKeyError, CacheNotFoundError, OSError) as err:
         print(f"tenantkv audit: {err}", file=sys.stderr)
         return 2
     sys.stdout.write(pem.decode("ascii"))

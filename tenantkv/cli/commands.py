@@ -17,6 +17,7 @@ import torch
 
 from .. import (
     BLOCK_TOKENS,
+    CacheNotFoundError,
     KVLayout,
     MasterKeyError,
     TenantExistsError,
@@ -26,6 +27,8 @@ from .. import (
 from .. import open as open_cache
 from ..config import config_for_root, default_root
 from ..services.gc import text_progress
+from ..services.opening import holds_cache
+from ..services.tokens import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS
 from .audit import register as register_audit_commands
 from .db import register as register_db_commands
 from .server import register as register_server_commands
@@ -38,24 +41,40 @@ def _print_table(rows: Sequence[tuple[str, str]]) -> None:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    with open_cache(config_for_root(args.root)) as kv:
-        token = kv.tokens.ensure_first_operator()
+    """Create a cache, or check an existing one. The bootstrap operator token is shown only by
+    the ``init`` that created the index (and only once per index even then), with an expiry:
+    mint lasting credentials with it; ``tenantkv token recover`` replaces a lost one."""
+    if not 0 < args.token_ttl <= MAX_TTL_SECONDS:
+        print(
+            f"tenantkv init: --token-ttl must be more than 0 and at most {int(MAX_TTL_SECONDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    config = config_for_root(args.root)
+    created = not holds_cache(config)
+    with open_cache(config) as kv:
+        token = kv.tokens.ensure_first_operator(args.token_ttl) if created else None
         info = kv.info()
     print(f"tenantkv {__version__}: cache ready at {Path(info['root']).resolve()}")
     _print_table([(k, str(v)) for k, v in info.items()])
     if token is not None:
-        print("\nfirst operator token (shown once, stored only as a hash; keep it safe):")
+        hours = args.token_ttl / 3600
+        print(
+            f"\nfirst operator token (shown once, stored only as a hash, expires in "
+            f"{hours:g} h; keep it safe):"
+        )
         print(f"  {token}")
     return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    if not Path(args.root).exists():
-        print(f"no cache at {args.root}; run `tenantkv init {args.root}` first", file=sys.stderr)
+    try:
+        with open_cache(config_for_root(args.root), create=False) as kv:
+            info = kv.info()
+            info["tenant_names"] = [t.name for t in kv.list_tenants()]
+    except CacheNotFoundError as err:
+        print(f"tenantkv info: {err}", file=sys.stderr)
         return 1
-    with open_cache(config_for_root(args.root)) as kv:
-        info = kv.info()
-        info["tenant_names"] = [t.name for t in kv.list_tenants()]
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -168,11 +187,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    if not Path(args.root).exists():
-        print(f"no cache at {args.root}", file=sys.stderr)
+    try:
+        with open_cache(config_for_root(args.root), create=False) as kv:
+            report = kv.gc(orphan_grace=args.orphan_grace, progress=text_progress("gc"))
+    except CacheNotFoundError as err:
+        print(f"tenantkv gc: {err}", file=sys.stderr)
         return 1
-    with open_cache(config_for_root(args.root)) as kv:
-        report = kv.gc(orphan_grace=args.orphan_grace, progress=text_progress("gc"))
     print(
         f"gc: {report.expired_extents} expired extents ({report.expired_bytes / 2**20:.1f} MiB), "
         f"{report.orphans_removed} orphaned files and {report.temporary_removed} leftover "
@@ -198,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = commands.add_parser("init", help="create a cache directory (index, key file)")
     init.add_argument("root", nargs="?", default=default_root())
+    init.add_argument(
+        "--token-ttl",
+        type=float,
+        default=BOOTSTRAP_TTL_SECONDS,
+        help="lifetime in seconds of the bootstrap operator token a new cache shows "
+        f"(default {int(BOOTSTRAP_TTL_SECONDS)})",
+    )
     init.set_defaults(handler=_cmd_init)
 
     info = commands.add_parser("info", help="show what a cache holds")

@@ -2,8 +2,10 @@
 migrations, with the settings every other command uses (``config_for_root``: the root and the
 ``TENANTKV_*`` environment, ``TENANTKV_DATABASE_URL`` included).
 
-These run on an index that may not open as a cache (an older schema refuses to), so they call
-``services.schema_upgrade`` directly rather than through an opened ``TenantKV``."""
+``db upgrade`` refuses a root whose index holds no cache (``tenantkv init`` creates one) and
+never creates a key file. These run on an index that may not open as a cache (an older schema
+refuses to), so they call ``services.schema_upgrade`` directly rather than through an opened
+``TenantKV``."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import argparse
 from typing import Any
 
 from ..config import config_for_root, default_root, open_key_wrapper
+from ..services.opening import holds_cache, not_found
 from ..services.schema_upgrade import current_state, head_revision, upgrade_index
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     config = config_for_root(args.root)
-    done = upgrade_index(config, open_key_wrapper(config))
+    if not holds_cache(config):  # a mistyped root: upgrading would create a cache there
+        raise not_found(config)
+    done = upgrade_index(config, open_key_wrapper(config, create_key_file=False))
     if done.before == done.after:
         print(f"index already at revision {done.after}: nothing to do")
     else:

@@ -1,18 +1,30 @@
-"""``tenantkv serve`` and ``tenantkv token create|list|revoke``.
+"""``tenantkv serve`` and ``tenantkv token create|list|revoke|recover``.
 
 ``register(commands)`` adds them to the main CLI's subparsers (as ``cli_audit.register`` does).
 Token commands need no web framework; ``serve`` imports the server (the ``server`` extra) only
-when it runs.
+when it runs. Every one of them opens an existing cache only (``create=False``): a mistyped
+root is refused, not made into a new empty cache.
+
+``token recover`` is the way back in when every operator token is lost, revoked or expired: run
+on the host, by whoever can open the cache (its index and master key), it mints an operator
+token that expires, audited, and hands it only to a terminal or a new 0600 file, never to a
+pipe or a log.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from datetime import UTC, datetime
+from pathlib import Path
 
+from ..audit import ROLE_OPERATOR, Attribution
 from ..config import config_for_root, default_root
 from ..errors import TenantKVError
-from ..services.tokens import ROLES
+from ..services.tokens import BOOTSTRAP_TTL_SECONDS, ROLES
+from .audit import _actor
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -33,7 +45,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
     try:
-        with open_cache(config_for_root(args.root)) as kv:
+        with open_cache(config_for_root(args.root), create=False) as kv:
             token = kv.tokens.create(args.role, args.tenant, args.ttl)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
@@ -45,7 +57,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 def _cmd_token_list(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
-    with open_cache(config_for_root(args.root)) as kv:
+    with open_cache(config_for_root(args.root), create=False) as kv:
         for info in kv.tokens.listing(args.tenant):
             state = "revoked" if info.revoked_at is not None else "active"
             print(
@@ -59,7 +71,7 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
     from .. import open as open_cache
 
     try:
-        with open_cache(config_for_root(args.root)) as kv:
+        with open_cache(config_for_root(args.root), create=False) as kv:
             found = kv.tokens.revoke(args.token_id)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
@@ -70,8 +82,62 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _private_new_file(path: str) -> int:
+    """A new file at ``path``, 0600, opened for writing; an existing path (a file, or a link
+    that could point anywhere) is refused rather than overwritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # the mode given to open is filtered by the umask
+    return fd
+
+
+def _cmd_token_recover(args: argparse.Namespace) -> int:
+    from .. import open as open_cache
+
+    if args.out is None and not sys.stdout.isatty():
+        print(
+            "tenantkv token recover: stdout is not a terminal and a token written there could "
+            "reach a log or a pipe; use --out FILE for a new 0600 file",
+            file=sys.stderr,
+        )
+        return 2
+    fd: int | None = None
+    try:
+        if args.out is not None:
+            fd = _private_new_file(args.out)
+        with open_cache(config_for_root(args.root), create=False) as kv:
+            issued = kv.tokens.recover_operator(
+                Attribution(_actor(), ROLE_OPERATOR), ttl_seconds=args.ttl
+            )
+        if fd is None:
+            print(issued.token)
+        else:
+            os.write(fd, (issued.token + "\n").encode("ascii"))
+            os.fsync(fd)
+    except (TenantKVError, OSError) as err:
+        if fd is not None:
+            os.close(fd)
+            fd = None
+            with contextlib.suppress(OSError):  # no token reached it: leave no empty file
+                if Path(args.out).stat().st_size == 0:
+                    os.unlink(args.out)
+        print(f"tenantkv token recover: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if fd is not None:
+            os.close(fd)
+    where = "above" if args.out is None else f"in {args.out}"
+    expires = issued.info.expires_at
+    until = "never" if expires is None else datetime.fromtimestamp(expires, UTC).isoformat()
+    print(
+        f"operator token {issued.info.id} (expires {until}) is {where}; "
+        "the recovery is in the audit log",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``serve`` and ``token create|list|revoke`` to the CLI's subcommands."""
+    """Add ``serve`` and ``token create|list|revoke|recover`` to the CLI's subcommands."""
     serve = commands.add_parser("serve", help="run the admin API (loopback by default)")
     serve.add_argument("root", nargs="?", default=default_root())
     serve.add_argument("--host", default="127.0.0.1")
@@ -94,3 +160,18 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     revoke.add_argument("token_id")
     revoke.add_argument("root", nargs="?", default=default_root())
     revoke.set_defaults(handler=_cmd_token_revoke)
+    recover = actions.add_parser(
+        "recover",
+        help="mint an expiring operator token on the host (every operator token lost or revoked)",
+    )
+    recover.add_argument("root", nargs="?", default=default_root())
+    recover.add_argument(
+        "--ttl",
+        type=float,
+        default=BOOTSTRAP_TTL_SECONDS,
+        help=f"lifetime in seconds (default {int(BOOTSTRAP_TTL_SECONDS)})",
+    )
+    recover.add_argument(
+        "--out", default=None, help="write it to this new 0600 file (default: the terminal)"
+    )
+    recover.set_defaults(handler=_cmd_token_recover)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
@@ -91,20 +90,18 @@ def _flushing(refusals: RefusalLog) -> Callable[[FastAPI], AbstractAsyncContextM
 
 
 def run(settings: Settings | None = None) -> None:
-    """Open the cache at ``settings.root`` and serve it until interrupted. Prints a first
-    operator token to stderr when no usable one exists (once; only its hash is kept)."""
+    """Open the cache at ``settings.root`` and serve it until interrupted.
+
+    The cache must exist (``tenantkv init`` makes it and shows the bootstrap operator token,
+    once): a root that holds none is refused (CacheNotFoundError) rather than created, and no
+    token is ever printed here, since a server's output goes to its logs. A lost operator is
+    recovered on the host with ``tenantkv token recover``."""
     import uvicorn
 
     from .. import open as open_cache
 
     config = settings or Settings()
-    with open_cache(config.cache_config()) as kv:
-        token = kv.tokens.ensure_first_operator()
-        if token is not None:
-            print(
-                f"tenantkv: first operator token (shown once, store it now): {token}",
-                file=sys.stderr,
-            )
+    with open_cache(config.cache_config(), create=False) as kv:
         uvicorn.run(
             create_app(kv, config),
             host=config.host,

@@ -7,6 +7,10 @@ hashed, the row found by its hash, and the stored and computed digests compared 
 listings, audit records and revocation without revealing it; a holder can compute it from the
 token.
 
+The first operator token is made once per index, when it is created (``tenantkv init``), and
+expires (24 h by default); a lost operator is recovered on the host with ``tenantkv token
+recover``, never by a server printing a new token at start.
+
 Roles: ``operator`` (every tenant, tokens, checkpoints), ``tenant-admin`` (its own tenant only),
 ``auditor`` (read-only: audit exports and the public key).
 
@@ -49,6 +53,10 @@ TOKEN_PREFIX: Final = "tkv_"
 MAX_TTL_SECONDS: Final = 366 * 86400.0
 TOKEN_CREATE: Final = "token.create"
 TOKEN_REVOKE: Final = "token.revoke"
+#: Lifetime of the bootstrap operator token and of a recovered one (``tenantkv init
+#: --token-ttl``, ``tenantkv token recover --ttl``): long enough to mint lasting credentials.
+BOOTSTRAP_TTL_SECONDS: Final = 86400.0
+BOOTSTRAP_TURN: Final = "operator-bootstrap"
 _TOKEN = re.compile(r"tkv_[A-Za-z0-9_-]{43}")
 _TOKEN_ID = re.compile(r"[0-9a-f]{16}")
 
@@ -182,18 +190,41 @@ class TokenService:
         """Make a token as the cache's own process; return it (shown once)."""
         return self.issue(role, tenant, ttl_seconds).token
 
-    def ensure_first_operator(self) -> str | None:
-        """A new operator token if no usable (unrevoked, unexpired) one exists; else None.
+    def ensure_first_operator(self, ttl_seconds: float = BOOTSTRAP_TTL_SECONDS) -> str | None:
+        """The index's bootstrap operator token, made once per index: a new operator token,
+        expiring after ``ttl_seconds`` (default 24 h), if no operator token was ever made on
+        this index; else None.
 
-        Checked and made in one write transaction, so two servers starting together on one
-        index do not both print a token."""
+        Once, not "whenever none is usable": a server that printed a fresh token at every
+        start finding none usable put a never-expiring operator token in its logs after each
+        revocation. A lost or revoked operator is recovered on the host, with the master key,
+        by :meth:`recover_operator` (``tenantkv token recover``). Checked and made in one write
+        transaction taking turns with any other bootstrap, so two processes initialising one
+        index together do not both get a token."""
+        ttl = _check_ttl(ttl_seconds)
+        if ttl is None:
+            raise InvalidRequestError("a bootstrap operator token needs an expiry")
         with self._ctx.index.write() as session:
-            now = self._ctx.clock()
-            for token_id in api_tokens.live_operator_ids(session, now):
-                if api_tokens.chain_problem(api_tokens.chain_of(session, token_id), now) is None:
-                    return None
-            issued = self._insert(session, ROLE_OPERATOR, None, None, self._ctx.attribution, None)
+            self._ctx.index.take_turns(session, BOOTSTRAP_TURN)
+            if api_tokens.any_operator(session):
+                return None
+            issued = self._insert(
+                session, ROLE_OPERATOR, None, ttl, self._ctx.attribution, None, purpose="bootstrap"
+            )
             return issued.token
+
+    def recover_operator(
+        self, by: Attribution, ttl_seconds: float = BOOTSTRAP_TTL_SECONDS
+    ) -> IssuedToken:
+        """A new operator token, expiring after ``ttl_seconds``, for whoever can open the cache
+        on its host (the index and the master key): the way back in when every operator token
+        is lost, revoked or expired. Audited as a ``token.create`` naming ``by`` and the
+        purpose ``recovery``."""
+        ttl = _check_ttl(ttl_seconds)
+        if ttl is None:
+            raise InvalidRequestError("a recovered operator token needs an expiry")
+        with self._ctx.index.write() as session:
+            return self._insert(session, ROLE_OPERATOR, None, ttl, by, None, purpose="recovery")
 
     def bounded_ttl(self, minter: Principal, ttl: float | None, ceiling: float) -> float | None:
         """The lifetime of a token ``minter`` mints: a tenant-admin's never outlives the
@@ -214,6 +245,7 @@ class TokenService:
         ttl_seconds: Any,
         by: Attribution,
         minter: Principal | None,
+        purpose: str | None = None,
     ) -> IssuedToken:
         checked_role = _check_role(role)
         ttl = _check_ttl(ttl_seconds)
@@ -245,15 +277,16 @@ class TokenService:
             minted_by=None if minter is None else minter.token_id,
         )
         api_tokens.add(session, row)
+        details: dict[str, Any] = {
+            "token_id": row.id,
+            "role": checked_role,
+            "expires_at": row.expires_at,
+        }
+        if purpose is not None:  # the bootstrap, or a recovery on the host
+            details["purpose"] = purpose
         self._ctx.audit.append(
             session,
-            by.event(
-                tenant,
-                TOKEN_CREATE,
-                row.id,
-                details={"token_id": row.id, "role": checked_role, "expires_at": row.expires_at},
-                tenant_id=tenant_id,
-            ),
+            by.event(tenant, TOKEN_CREATE, row.id, details=details, tenant_id=tenant_id),
         )
         return IssuedToken(token, _info(row))
 
