@@ -187,6 +187,22 @@ def test_since_edge_deletion_is_detected(db: Database, log: AuditLog) -> None:
     assert not report(db, log, since=T0 + 3).ok
 
 
+def test_a_time_column_changed_alone_does_not_move_a_record_out_of_a_window(
+    db: Database, log: AuditLog
+) -> None:
+    """A record's MAC covers its hash, not its ``time_us`` column: setting record 6's time past
+    ``until`` would end the window at seq 5 with record 6 as a plausible record after it."""
+    append(db, log, 10)
+    assert report(db, log, until=T0 + 6).ok  # positive control: seq 1..6
+    sql(
+        db,
+        "UPDATE tkv_audit_records SET time_us = :t WHERE chain = :c AND seq = 6",
+        t=int((T0 + 100) * 1_000_000),
+        c=ACME,
+    )
+    assert "record 6 does not hash" in refusal(db, log, until=T0 + 6)
+
+
 def test_a_since_window_that_starts_where_retention_cut_the_chain_verifies(
     db: Database, log: AuditLog, clock: ManualClock
 ) -> None:
