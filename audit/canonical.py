@@ -49,6 +49,10 @@ from typing import Any
 from .errors import AuditRequestError
 
 FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 2
+"""The version of what an export signs for itself: its per-chain checkpoint and its trailer.
+2 added the edge proofs (``records.ExportCheckpoint``); records, stored checkpoints and purge
+statements stay at ``FORMAT_VERSION``, so their hashes and signatures never change."""
 GENESIS_HASH = "0" * 64
 HASH_FIELD = "hash"
 SIGNATURE_FIELD = "signature"

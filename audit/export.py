@@ -10,7 +10,8 @@ incarnation's ``tenant:acme@<id>``), ``chain=`` one chain only (what the admin A
 tenant-admin: its own incarnation's); ``tenant=None`` exports every chain (the system chain and
 all tenants), in chain-id order. A time range
 ``since <= time < until`` is mapped to one *contiguous* run of seqs per chain -- from the first
-record at or after ``since`` to the last record before ``until`` -- so the exported run always
+record at or after ``since`` to the last record before ``until``, or to the chain's head when
+there is no ``until`` -- so the exported run always
 links up; a record inside that run whose own time lies outside the range (a caller-supplied
 time) is included rather than punching a hole in the chain.
 
@@ -21,13 +22,17 @@ time) is included rather than punching a hole in the chain.
       with every stored checkpoint of the chain in [first, last] and the chain's latest
       anchored checkpoint right after its record, ordered by (time_us, signature); stored
       checkpoints past the chain's head (export without `until`) after the last record
-    checkpoint                                signed now: head = record `last`, count = records
+    checkpoint                                signed now: head = record `last`, count = records,
+                                              and the block's edges (format 2, ``edges.py``)
     ...next chain...
     export trailer                            signed now: tenant, since/until, and per chain
                                               its seq, count, head_hash and checkpoint lines
 
 The per-export checkpoint means a file cut short at the end, or missing records at the start,
 fails verification; the trailer does the same for whole chains and for the file as a whole.
+Its edges say why the block starts and ends where it does (the record just outside a ``since``
+or ``until`` window, or the chain's head), so records deleted from the database at a window's
+edge or at a chain's tail are refused before anything is signed (``edges.py``).
 The set of chains and their ranges are fixed when the export starts (and signed then); records
 appended later are not included. Purging concurrently with an export can remove records the
 export still has to read; the result then fails verification rather than silently omitting them.
@@ -41,7 +46,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
@@ -53,8 +58,11 @@ from .models import AuditChainHead, AuditCheckpointRow, AuditRecordRow
 from .records import (
     AuditRecord,
     Checkpoint,
+    Edges,
+    ExportCheckpoint,
     PurgeStatement,
     checkpoint_body,
+    export_checkpoint_body,
     export_trailer_body,
 )
 from .signing import Signer
@@ -76,6 +84,8 @@ class ChainRange:
     last: int
     head_hash: str
     stored_checkpoints: int
+    edges: Edges | None = None
+    """What the block proves about its edges (``edges.py``); None only for SIEM exports."""
 
     @property
     def count(self) -> int:
@@ -92,7 +102,8 @@ def use_session(source: SessionSource) -> Iterator[Session]:
             yield session
 
 
-def _chains(session: Session, tenant: str | None, chain: str | None) -> list[str]:
+def export_chains(session: Session, tenant: str | None, chain: str | None) -> list[str]:
+    """The chains an export of ``tenant`` (or of ``chain`` alone) covers, in chain-id order."""
     if chain is not None:
         return [chain]
     # Sorted here, not in SQL: the order must be code-point order on every database collation.
@@ -112,7 +123,7 @@ def chain_ranges(
     """The run of each chain in scope (``only`` that chain, if given) that an export from
     ``since`` to ``until`` covers."""
     ranges: list[ChainRange] = []
-    for chain in _chains(session, tenant, only):
+    for chain in export_chains(session, tenant, only):
         first_query = select(func.min(AuditRecordRow.seq)).where(AuditRecordRow.chain == chain)
         last_query = select(func.max(AuditRecordRow.seq)).where(AuditRecordRow.chain == chain)
         if since_us is not None:
@@ -180,23 +191,37 @@ def paged_records(
         if not rows:
             return
         for row in rows:
-            yield AuditRecord(
-                chain=row.chain,
-                seq=int(row.seq),
-                time_us=int(row.time_us),
-                actor=row.actor,
-                role=row.role,
-                tenant=row.tenant,
-                action=row.action,
-                target=row.target,
-                outcome=row.outcome,
-                request_id=row.request_id,
-                details=json.loads(row.details),
-                prev_hash=row.prev_hash,
-                hash=row.hash,
-                mac=row.mac,
-            )
+            yield _record_of(row)
         cursor = int(rows[-1].seq)
+
+
+def read_record(session: Session, chain: str, seq: int) -> AuditRecord | None:
+    """Record ``seq`` of ``chain`` as stored (hash and MAC unchecked), or None."""
+    row = session.execute(
+        select(*_RECORD_COLUMNS).where(AuditRecordRow.chain == chain, AuditRecordRow.seq == seq)
+    ).one_or_none()
+    return None if row is None else _record_of(row)
+
+
+def _record_of(row: Any) -> AuditRecord:
+    """The record in a row of ``_RECORD_COLUMNS`` (typed loosely: its Row type spells out all
+    fourteen columns)."""
+    return AuditRecord(
+        chain=row.chain,
+        seq=int(row.seq),
+        time_us=int(row.time_us),
+        actor=row.actor,
+        role=row.role,
+        tenant=row.tenant,
+        action=row.action,
+        target=row.target,
+        outcome=row.outcome,
+        request_id=row.request_id,
+        details=json.loads(row.details),
+        prev_hash=row.prev_hash,
+        hash=row.hash,
+        mac=row.mac,
+    )
 
 
 def _after(key: tuple[int, int, bytes, int]) -> ColumnElement[bool]:
@@ -279,6 +304,22 @@ def sign_checkpoint(
     )
 
 
+def sign_export_checkpoint(
+    signer: Signer, chain_range: ChainRange, edges: Edges, *, time_us: int
+) -> ExportCheckpoint:
+    """The checkpoint an export signs for one chain block, with the block's proven edges."""
+    fields: dict[str, Any] = {
+        "chain": chain_range.chain,
+        "seq": chain_range.last,
+        "head_hash": chain_range.head_hash,
+        "count": chain_range.count,
+        "time_us": time_us,
+        "key_id": signer.key_id,
+    }
+    body = export_checkpoint_body(**fields, edges=edges)
+    return ExportCheckpoint(**fields, edges=edges, signature=signer.sign(canonical_json(body)))
+
+
 @dataclass(frozen=True)
 class ChainEvidence:
     """What the log adds to one chain block beyond the database's records and checkpoints.
@@ -316,17 +357,10 @@ def jsonl_lines(
     """The verifiable export (see the module docstring for its layout)."""
     evidence = evidence or {}
     none = ChainEvidence()
-    finals = [
-        sign_checkpoint(
-            signer,
-            chain=r.chain,
-            seq=r.last,
-            head_hash=r.head_hash,
-            count=r.count,
-            time_us=now_us,
-        )
-        for r in ranges
-    ]
+    finals = []
+    for r in ranges:
+        assert r.edges is not None, f"the edges of {r.chain} were not proven before signing"
+        finals.append(sign_export_checkpoint(signer, r, r.edges, time_us=now_us))
     trailer = export_trailer_body(
         tenant=tenant,
         since_us=since_us,

@@ -99,6 +99,19 @@ def first_seqs(session: Session, chains: Iterable[str]) -> dict[str, int]:
     return {str(chain): int(seq) for chain, seq in rows}
 
 
+def last_seqs(session: Session, chains: Iterable[str]) -> dict[str, int]:
+    """The highest seq each chain still holds (chains without records are absent)."""
+    wanted = sorted(set(chains))
+    if not wanted:
+        return {}
+    rows = session.execute(
+        select(AuditRecordRow.chain, func.max(AuditRecordRow.seq))
+        .where(AuditRecordRow.chain.in_(wanted))
+        .group_by(AuditRecordRow.chain)
+    )
+    return {str(chain): int(seq) for chain, seq in rows}
+
+
 # ---- purge statements --------------------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ from tenantkv.crypto import KeyWrapper
 from .anchors import AnchorFile
 from .canonical import GENESIS_HASH, canonical_json, record_body, sha256_hex, to_microseconds
 from .canonical import normalise_details as _normalise_details
+from .edges import proven_range
 from .errors import AuditChainError, AuditRequestError
 from .events import (
     AUDIT_PURGE,
@@ -62,6 +63,7 @@ from .export import (
     ExportFormat,
     SessionSource,
     chain_ranges,
+    export_chains,
     jsonl_lines,
     paged_checkpoints,
     siem_lines,
@@ -72,6 +74,7 @@ from .integrity import (
     Head,
     check_anchor,
     first_seqs,
+    last_seqs,
     new_anchors,
     read_head,
     read_heads,
@@ -416,27 +419,25 @@ class AuditLog:
         page_size: int,
         chain: str | None = None,
     ) -> Iterator[str]:
-        with use_session(source) as session:
-            ranges = chain_ranges(session, tenant, since_us, until_us, chain)
-            signer = self._keys.signer(session) if fmt == "jsonl" else None
-            evidence = (
-                None
-                if signer is None
-                else self._evidence(
-                    session,
-                    signer,
-                    ranges,
-                    every_chain=tenant is None
-                    and chain is None
-                    and since_us is None
-                    and until_us is None,
-                    to_the_end=until_us is None,
-                    page_size=page_size,
-                )
-            )
-        if signer is None or evidence is None:
+        if fmt != "jsonl":
+            with use_session(source) as session:
+                ranges = chain_ranges(session, tenant, since_us, until_us, chain)
             yield from siem_lines(source, ranges, fmt, page_size)
             return
+        with use_session(source) as session:
+            signer = self._keys.signer(session)
+            ranges, evidence = self._evidence(
+                session,
+                signer,
+                export_chains(session, tenant, chain),
+                since_us=since_us,
+                until_us=until_us,
+                every_chain=tenant is None
+                and chain is None
+                and since_us is None
+                and until_us is None,
+                page_size=page_size,
+            )
         if not isinstance(source, Session):  # fresh transactions: only committed heads
             self.anchor(source, chains=[r.chain for r in ranges])
         yield from jsonl_lines(
@@ -455,49 +456,61 @@ class AuditLog:
         self,
         session: Session,
         signer: Signer,
-        ranges: list[ChainRange],
+        chains: list[str],
         *,
+        since_us: int | None,
+        until_us: int | None,
         every_chain: bool,
-        to_the_end: bool,
         page_size: int,
-    ) -> dict[str, ChainEvidence]:
-        """Check the chains an export covers (raising :class:`AuditChainError`) and gather
-        what the export carries beyond their records: purge statements, the latest anchored
-        checkpoints, stored checkpoints past the chain's head, and the record MAC check."""
-        chains = [r.chain for r in ranges]
+    ) -> tuple[list[ChainRange], dict[str, ChainEvidence]]:
+        """Check the chains an export covers (raising :class:`AuditChainError`), prove each
+        block's edges (``edges.py``), and gather what the export carries beyond their records:
+        purge statements, the latest anchored checkpoints, stored checkpoints past the chain's
+        head, and the record MAC check."""
         anchored = {} if self.anchors is None else self.anchors.latest(signer)
         scope = set(chains) | (set(anchored) if every_chain else set())
-        # Stored checkpoints past each block's last record, read *before* the heads: one that
-        # a concurrent append and checkpoint committed meanwhile is then at or below the head
-        # read next, and is left out; one above the head can only mean records were removed.
-        tails = {
-            r.chain: list(paged_checkpoints(session, r.chain, r.last + 1, _NO_SEQ, page_size))
-            for r in ranges
-            if to_the_end
-        }
+        # Stored checkpoints past each chain's last record, read *before* the heads: one that a
+        # concurrent append and checkpoint committed meanwhile is then at or below the head read
+        # next, and is left out; one above the head can only mean records were removed.
+        tails: dict[str, list[Checkpoint]] = {}
+        if until_us is None:
+            lasts = last_seqs(session, chains)
+            tails = {
+                c: list(paged_checkpoints(session, c, lasts.get(c, 0) + 1, _NO_SEQ, page_size))
+                for c in chains
+            }
         heads = read_heads(session, scope)
         purges = read_purges(session, scope)
+        holding = last_seqs(session, [c for c in chains if c not in heads])
         for chain in sorted(scope):
             head = heads.get(chain)
             if head is not None:
                 head.check(signer)
-            elif chain in chains:
+            elif chain in holding:
                 raise AuditChainError(f"chain {chain!r} has records but no head (deleted)")
             if chain in anchored:
                 check_anchor(session, head, anchored[chain], purges.get(chain))
+        ranges: list[ChainRange] = []
         evidence: dict[str, ChainEvidence] = {}
-        for r in ranges:
+        for chain in chains:
+            head = heads.get(chain)
+            if head is None:
+                continue
+            r = proven_range(session, signer, head, purges.get(chain), since_us, until_us)
+            if r is None:
+                continue
             extra: list[Checkpoint] = []
-            anchor = anchored.get(r.chain)
+            anchor = anchored.get(chain)
             if anchor is not None and r.first <= anchor.seq <= r.last:
                 extra.append(anchor)
-            extra += [c for c in tails.get(r.chain, []) if c.seq > heads[r.chain].last_seq]
-            evidence[r.chain] = ChainEvidence(
-                purge=purges.get(r.chain),
+            extra += [c for c in tails.get(chain, []) if c.seq > head.last_seq]
+            ranges.append(r)
+            evidence[chain] = ChainEvidence(
+                purge=purges.get(chain),
                 checkpoints=tuple(extra),
-                check=_mac_check(signer, heads[r.chain]),
+                check=_mac_check(signer, head),
             )
-        return evidence
+        return ranges, evidence
 
     def anchor(self, source: SessionSource, chains: list[str] | None = None) -> list[Checkpoint]:
         """Append a signed checkpoint of every chain (or of ``chains``) whose head moved to the

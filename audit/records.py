@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .canonical import (
+    EXPORT_FORMAT_VERSION,
     FORMAT_VERSION,
     HASH_FIELD,
     SIGNATURE_FIELD,
@@ -132,6 +133,109 @@ def checkpoint_body(
     }
 
 
+@dataclass(frozen=True)
+class EdgeRecord:
+    """A record just outside an export's window, named so the export can prove its edges.
+
+    Its ``hash`` is what the window's first record links to (the record before a ``since``
+    window) or its ``prev_hash`` is the window's last record's hash (the record after an
+    ``until`` window), and its ``time_us`` shows it lies outside the window.
+    """
+
+    seq: int
+    hash: str
+    prev_hash: str
+    time_us: int
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "hash": self.hash,
+            "prev_hash": self.prev_hash,
+            "seq": self.seq,
+            "time_us": self.time_us,
+        }
+
+
+@dataclass(frozen=True)
+class Edges:
+    """What an export proves about where one chain block starts and ends.
+
+    ``before``: the record just before the block, older than ``since`` (None: the block starts
+    at seq 1, or where a signed purge statement says retention cut the chain, or the export has
+    no ``since``). ``after``: the record just after the block, not older than ``until`` (None:
+    the block ends at the chain's head). ``head_seq``: the head's last seq when the export ran.
+    """
+
+    before: EdgeRecord | None
+    after: EdgeRecord | None
+    head_seq: int
+
+
+@dataclass(frozen=True)
+class ExportCheckpoint:
+    """The checkpoint an export signs for each chain block, with the block's edges.
+
+    Signed bytes (canonical JSON, format 2)::
+
+        {"after":edge|null,"before":edge|null,"chain":str,"count":int,"head_hash":hex64,
+         "head_seq":int,"key_id":hex32,"seq":int,"time_us":int,"type":"checkpoint","v":2}
+
+    where ``edge`` is ``{"hash":hex64,"prev_hash":hex64,"seq":int,"time_us":int}``. Beyond a
+    stored checkpoint's meaning it says: the chain's head was at ``head_seq``; ``before``
+    (when given) is the record ``seq - count`` and is older than the export's ``since``;
+    ``after`` (when given) is record ``seq + 1`` and is not older than its ``until``; with no
+    ``after``, ``seq`` is ``head_seq``. The exporter signs that only after reading those
+    records and checking their MACs, so records deleted at either edge of a window, or at the
+    chain's tail, are refused rather than signed away.
+    """
+
+    chain: str
+    seq: int
+    head_hash: str
+    count: int
+    time_us: int
+    key_id: str
+    edges: Edges
+    signature: bytes
+
+    def body(self) -> dict[str, Any]:
+        return export_checkpoint_body(
+            chain=self.chain,
+            seq=self.seq,
+            head_hash=self.head_hash,
+            count=self.count,
+            time_us=self.time_us,
+            key_id=self.key_id,
+            edges=self.edges,
+        )
+
+    def to_jsonl(self) -> str:
+        return sealed_line(self.body(), SIGNATURE_FIELD, self.signature.hex())
+
+
+def export_checkpoint_body(
+    *,
+    chain: str,
+    seq: int,
+    head_hash: str,
+    count: int,
+    time_us: int,
+    key_id: str,
+    edges: Edges,
+) -> dict[str, Any]:
+    """A checkpoint body (``checkpoint_body``) with the edges of an export's chain block."""
+    body = checkpoint_body(
+        chain=chain, seq=seq, head_hash=head_hash, count=count, time_us=time_us, key_id=key_id
+    )
+    body.update(
+        after=None if edges.after is None else edges.after.body(),
+        before=None if edges.before is None else edges.before.body(),
+        head_seq=edges.head_seq,
+        v=EXPORT_FORMAT_VERSION,
+    )
+    return body
+
+
 def export_trailer_body(
     *,
     tenant: str | None,
@@ -154,7 +258,7 @@ def export_trailer_body(
         "time_us": time_us,
         "type": "export",
         "until_us": until_us,
-        "v": FORMAT_VERSION,
+        "v": EXPORT_FORMAT_VERSION,
     }
 
 

@@ -17,7 +17,13 @@
   lists exactly those blocks (seq, count, head hash, checkpoint lines), so dropping, adding or
   duplicating a block, a record or a checkpoint, cutting the file at either end, reordering
   lines, or editing any byte is reported;
-* the records agree with the trailer's tenant and time range.
+* the records agree with the trailer's tenant and time range;
+* (format 2) each export checkpoint's edges: the record it names before the block is the one
+  the block's first record links to and is older than ``since`` (a ``since`` block that starts
+  neither at seq 1 nor at a purge statement needs one); the record it names after the block
+  links to the block's last record and is not older than ``until``; with none named, the block
+  ends at the chain's head. Format 1 exports (older tenantkv, no edges) still verify as before,
+  and ``VerifyReport.version`` says which format a file is.
 
 It never raises on bad input: every failure is a problem in the report.
 """
@@ -36,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from .canonical import (
+    EXPORT_FORMAT_VERSION,
     FORMAT_VERSION,
     GENESIS_HASH,
     HASH_FIELD,
@@ -71,6 +78,8 @@ _RECORD_KEYS = frozenset(
 _CHECKPOINT_KEYS = frozenset(
     {"chain", "count", "head_hash", "key_id", "seq", "time_us", "type", "v"}
 )
+_EXPORT_CHECKPOINT_KEYS = _CHECKPOINT_KEYS | {"after", "before", "head_seq"}
+_EDGE_KEYS = frozenset({"hash", "prev_hash", "seq", "time_us"})
 _TRAILER_KEYS = frozenset(
     {"chains", "key_id", "since_us", "tenant", "time_us", "type", "until_us", "v"}
 )
@@ -93,6 +102,16 @@ class ChainSummary:
     (older records were purged or left out by ``since``) that an earlier export can confirm."""
     purged: bool = False
     """True when a signed purge statement says retention removed the records before it."""
+    head_seq: int | None = None
+    """Where the chain's head was when it was exported (None: a format 1 export)."""
+    before_seq: int | None = None
+    before_time_us: int | None = None
+    """The record just before the block, which the export shows is older than its ``since``
+    (None: the block starts at seq 1, after purged records, or the export has no ``since``)."""
+    after_seq: int | None = None
+    after_time_us: int | None = None
+    """The record just after the block, which the export shows is not older than its
+    ``until`` (None: the block ends at the chain's head)."""
 
 
 @dataclass
@@ -106,6 +125,8 @@ class VerifyReport:
     key_id: str | None = None
     tenant: str | None = None
     exported_at: float | None = None
+    version: int | None = None
+    """The export's format: 2 proves each block's edges, 1 (older tenantkv) does not."""
 
     def raise_if_invalid(self) -> None:
         if not self.ok:
@@ -124,6 +145,51 @@ def _opt_str(value: Any) -> bool:
     return value is None or isinstance(value, str)
 
 
+@dataclass(frozen=True)
+class _Edge:
+    """A record an export checkpoint names just outside its block (``records.EdgeRecord``)."""
+
+    seq: int
+    hash: str
+    prev_hash: str
+    time_us: int
+
+
+@dataclass(frozen=True)
+class _Edges:
+    before: _Edge | None
+    after: _Edge | None
+    head_seq: int
+
+
+def _edge(value: Any) -> _Edge | None:
+    """The edge record an export checkpoint names; raises ValueError when it is malformed."""
+    if value is None:
+        return None
+    if not (
+        isinstance(value, dict)
+        and set(value) == _EDGE_KEYS
+        and _is_int(value["seq"])
+        and _is_int(value["time_us"])
+        and _is_hex64(value["hash"])
+        and _is_hex64(value["prev_hash"])
+    ):
+        raise ValueError("malformed edge record")
+    return _Edge(value["seq"], value["hash"], value["prev_hash"], value["time_us"])
+
+
+@dataclass(frozen=True)
+class _Signed:
+    """A checkpoint line of a block: when it was signed, its signature, count and line, and the
+    edges when it is an export checkpoint (format 2)."""
+
+    time_us: int
+    signature: str
+    count: int
+    line: int
+    edges: _Edges | None = None
+
+
 @dataclass
 class _Block:
     """A chain block in progress."""
@@ -131,6 +197,7 @@ class _Block:
     chain: str
     first_seq: int
     first_time_us: int
+    first_prev_hash: str
     last_seq: int
     last_hash: str
     last_time_us: int
@@ -138,8 +205,8 @@ class _Block:
     purged: bool = False
     records: int = 1
     checkpoints: int = 0
-    # checkpoints since the last record: (time_us, signature hex, count, line number)
-    group: list[tuple[int, str, int, int]] = field(default_factory=list)
+    # checkpoints since the last record
+    group: list[_Signed] = field(default_factory=list)
 
 
 class _Verifier:
@@ -156,6 +223,7 @@ class _Verifier:
         self.lines = 0
         self.block_times: dict[str, tuple[int, int]] = {}
         self.final_times: dict[str, int] = {}
+        self.final_edges: dict[str, _Edges | None] = {}
         # a purge statement waiting for its chain's first record: (chain, seq, prev_hash, line)
         self.pending_purge: tuple[str, int, str, int] | None = None
 
@@ -207,7 +275,8 @@ class _Verifier:
             self.problem(f"line {number}: body is not a JSON object")
             return
         kind = body.get("type")
-        if body.get("v") != FORMAT_VERSION:
+        versions = (FORMAT_VERSION, EXPORT_FORMAT_VERSION)
+        if body.get("v") not in (versions if kind in ("checkpoint", "export") else versions[:1]):
             self.problem(f"line {number}: unknown format version {body.get('v')!r}")
             return
         if kind != "record" and self.pending_purge is not None:
@@ -317,6 +386,7 @@ class _Verifier:
             chain=chain,
             first_seq=seq,
             first_time_us=time_us,
+            first_prev_hash=prev_hash,
             last_seq=seq,
             last_hash=digest,
             last_time_us=time_us,
@@ -355,15 +425,24 @@ class _Verifier:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def checkpoint(self, number: int, body_text: str, body: dict[str, Any], seal: str) -> None:
-        if set(body) != _CHECKPOINT_KEYS or not (
+        exported = body["v"] == EXPORT_FORMAT_VERSION  # an export's own, with its edges
+        if set(body) != (_EXPORT_CHECKPOINT_KEYS if exported else _CHECKPOINT_KEYS) or not (
             isinstance(body["chain"], str)
             and _is_int(body["seq"])
             and _is_int(body["count"])
             and _is_int(body["time_us"])
             and _is_hex64(body["head_hash"])
+            and (not exported or _is_int(body["head_seq"]))
         ):
             self.problem(f"line {number}: checkpoint fields are missing, extra or malformed")
             return
+        edges = None
+        if exported:
+            try:
+                edges = _Edges(_edge(body["before"]), _edge(body["after"]), body["head_seq"])
+            except ValueError:
+                self.problem(f"line {number}: checkpoint edges are malformed")
+                return
         self.signature_ok(number, "checkpoint", body_text, body, seal)
         block = self.block
         chain, seq = body["chain"], body["seq"]
@@ -376,13 +455,50 @@ class _Verifier:
                 f"before it (seq {block.last_seq}): records changed after it was signed"
             )
         block.checkpoints += 1
-        block.group.append((body["time_us"], seal, body["count"], number))
+        block.group.append(_Signed(body["time_us"], seal, body["count"], number, edges))
 
-    def check_group(self, block: _Block, interim: list[tuple[int, str, int, int]]) -> None:
-        """Stored checkpoints at one seq must keep the exporter's (time, signature) order."""
+    def check_group(self, block: _Block, interim: list[_Signed]) -> None:
+        """Stored checkpoints at one seq must keep the exporter's (time, signature) order; an
+        export's own checkpoint ends its block and is never one of them."""
+        for signed in interim:
+            if signed.edges is not None:
+                self.problem(
+                    f"line {signed.line}: an export checkpoint of {block.chain} inside its "
+                    "block (lines moved)"
+                )
         for before, after in itertools.pairwise(interim):
-            if (after[0], after[1]) < (before[0], before[1]):
-                self.problem(f"line {after[3]}: checkpoints of {block.chain} are out of order")
+            if (after.time_us, after.signature) < (before.time_us, before.signature):
+                self.problem(f"line {after.line}: checkpoints of {block.chain} are out of order")
+
+    def check_edges(self, block: _Block, edges: _Edges) -> None:
+        """The edges an export checkpoint names must adjoin its block (their times are checked
+        against the trailer's bounds in :meth:`check_scope`)."""
+        chain, before, after = block.chain, edges.before, edges.after
+        if before is not None and (
+            before.seq != block.first_seq - 1 or before.hash != block.first_prev_hash
+        ):
+            self.problem(
+                f"{chain}: the record the export names before seq {block.first_seq} "
+                f"(seq {before.seq}) is not the one its first record links to"
+            )
+        if edges.head_seq < block.last_seq:
+            self.problem(f"{chain}: ends at seq {block.last_seq}, past its head {edges.head_seq}")
+        if after is None:
+            if block.last_seq != edges.head_seq:
+                self.problem(
+                    f"{chain}: ends at seq {block.last_seq} but its head is at seq "
+                    f"{edges.head_seq}, and the export names no record after it (records "
+                    "deleted at its end?)"
+                )
+        elif (
+            after.seq != block.last_seq + 1
+            or after.prev_hash != block.last_hash
+            or after.seq > edges.head_seq
+        ):
+            self.problem(
+                f"{chain}: the record the export names after seq {block.last_seq} "
+                f"(seq {after.seq}) does not link to its last record"
+            )
 
     def finish_block(self) -> None:
         block = self.block
@@ -395,14 +511,21 @@ class _Verifier:
                 f"{block.last_seq} (file cut short, or records added)"
             )
         else:
+            final = block.group[-1]
             self.check_group(block, block.group[:-1])
-            self.final_times[block.chain] = block.group[-1][0]
-            final_count = block.group[-1][2]
+            self.final_times[block.chain] = final.time_us
+            self.final_edges[block.chain] = final.edges
+            if final.edges is not None:
+                self.check_edges(block, final.edges)
+            final_count = final.count
             if final_count != block.records:
                 self.problem(
                     f"{block.chain}: the export checkpoint covers {final_count} records, "
                     f"the file holds {block.records} (records missing or added)"
                 )
+        edges = self.final_edges.get(block.chain)
+        before = None if edges is None else edges.before
+        after = None if edges is None else edges.after
         self.finished.append(
             ChainSummary(
                 chain=block.chain,
@@ -413,6 +536,11 @@ class _Verifier:
                 checkpoints=block.checkpoints,
                 from_genesis=block.from_genesis,
                 purged=block.purged,
+                head_seq=None if edges is None else edges.head_seq,
+                before_seq=None if before is None else before.seq,
+                before_time_us=None if before is None else before.time_us,
+                after_seq=None if after is None else after.seq,
+                after_time_us=None if after is None else after.time_us,
             )
         )
         self.block_times[block.chain] = (block.first_time_us, block.last_time_us)
@@ -472,11 +600,49 @@ class _Verifier:
                     f"{summary.chain}: starts at seq {summary.first_seq} without a signed purge "
                     "statement (its oldest records were deleted, not purged by retention)"
                 )
+            self.check_edge_times(summary, body["v"], since_us, until_us)
             first_time, last_time = self.block_times[summary.chain]
             if since_us is not None and first_time < since_us:
                 self.problem(f"{summary.chain}: first record is before the export's since bound")
             if until_us is not None and last_time >= until_us:
                 self.problem(f"{summary.chain}: last record is after the export's until bound")
+
+    def check_edge_times(
+        self, summary: ChainSummary, version: Any, since_us: int | None, until_us: int | None
+    ) -> None:
+        """A format 2 export proves each block's edges against its bounds; format 1 did not."""
+        chain = summary.chain
+        if summary.chain not in self.final_edges:
+            return  # no export checkpoint at all: reported already
+        if (self.final_edges[chain] is not None) != (version == EXPORT_FORMAT_VERSION):
+            self.problem(f"{chain}: its export checkpoint is not of the trailer's format")
+            return
+        if version != EXPORT_FORMAT_VERSION:
+            return
+        if summary.before_time_us is not None and (
+            since_us is None or summary.before_time_us >= since_us
+        ):
+            self.problem(
+                f"{chain}: the record before seq {summary.first_seq} is not older than the "
+                "export's since bound"
+            )
+        if (
+            summary.before_seq is None
+            and since_us is not None
+            and not summary.from_genesis
+            and not summary.purged
+        ):
+            self.problem(
+                f"{chain}: starts at seq {summary.first_seq}, and nothing shows that the record "
+                "before it is older than the export's since bound (records deleted at its start?)"
+            )
+        if summary.after_time_us is not None and (
+            until_us is None or summary.after_time_us < until_us
+        ):
+            self.problem(
+                f"{chain}: the record after seq {summary.last_seq} is inside the export's "
+                "until bound"
+            )
 
     def report(self) -> VerifyReport:
         if self.block is not None:
@@ -490,6 +656,7 @@ class _Verifier:
         trailer = self.trailer if isinstance(self.trailer, dict) else {}
         tenant = trailer.get("tenant")
         exported = trailer.get("time_us")
+        version = trailer.get("v")
         return VerifyReport(
             ok=not self.problems,
             problems=self.problems,
@@ -498,6 +665,7 @@ class _Verifier:
             key_id=self.key_id,
             tenant=tenant if isinstance(tenant, str) else None,
             exported_at=exported / 1_000_000 if isinstance(exported, int) else None,
+            version=version if _is_int(version) else None,
         )
 
 

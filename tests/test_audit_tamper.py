@@ -243,7 +243,8 @@ def test_4b_a_rewrite_that_stops_before_the_head_is_caught_by_the_record_mac(
     until = T0 + 3  # records 1..3
     assert report(db, log, until=until).ok  # positive control
     rehash(db, 2, 3, actor="mallory")
-    with pytest.raises(AuditChainError, match="record 2 fails its MAC"):
+    # the window's last record is checked before anything is signed, record 2 as it is read
+    with pytest.raises(AuditChainError, match=r"record [23] fails its MAC"):
         list(log.export(db.read, tenant="acme", until=until))
 
 
@@ -257,8 +258,11 @@ def test_4c_deleting_the_oldest_records_fails_verification(db: Database, log: Au
     result = report(db, log)
     assert not result.ok
     assert any("without a signed purge statement" in p for p in result.problems)
-    # a since bound that starts after them explains a later start: that export is fine
-    assert report(db, log, since=T0 + 2).ok
+    # a since bound that starts after them no longer hides them: the export must show that
+    # the record before its first (seq 2) is older than since, and seq 2 is gone
+    with pytest.raises(AuditChainError, match="record 2, the one before"):
+        list(log.export(db.read, tenant="acme", since=T0 + 2))
+    assert report(db, log, since=T0 + 3).ok  # positive control: record 3 is there to show it
 
 
 def test_4c_deleting_more_after_a_genuine_purge_fails_verification(

@@ -22,7 +22,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from ..audit import EXPORT_FORMATS, ROLE_OPERATOR, Attribution, AuditError, verify_export
+from ..audit import (
+    EXPORT_FORMATS,
+    ROLE_OPERATOR,
+    Attribution,
+    AuditError,
+    ChainSummary,
+    verify_export,
+)
 from ..config import config_for_root, default_root
 from ..crypto import MasterKeyError
 from ..errors import CacheNotFoundError
@@ -151,19 +158,34 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 2
     if report.ok:
         chains = ", ".join(
-            f"{c.chain} seq {c.first_seq}..{c.last_seq}"
-            + ("" if c.from_genesis else " (starts after purged records)")
-            for c in report.chains
+            f"{c.chain} seq {c.first_seq}..{c.last_seq}{_start_of(c)}" for c in report.chains
         )
         print(
             f"OK: {report.records} records in {len(report.chains)} chains, "
             f"signed by key {report.key_id}" + (f": {chains}" if chains else "")
         )
+        if report.version == 1 and report.chains:
+            print("  (format 1, an older tenantkv's: where its chains start and end is unproven)")
         return 0
     print(f"INVALID: {args.file} failed verification ({len(report.problems)} problems)")
     for problem in report.problems:
         print(f"  - {problem}")
     return 1
+
+
+def _start_of(chain: ChainSummary) -> str:
+    """Why a verified chain block starts where it does, when that is not seq 1."""
+    if chain.from_genesis:
+        return ""
+    if chain.purged:
+        return " (starts after records purged by retention)"
+    if chain.before_seq is not None and chain.before_time_us is not None:
+        moment = datetime.fromtimestamp(chain.before_time_us / 1_000_000, UTC)
+        return (
+            f" (starts at the since bound; the record before it (seq {chain.before_seq}, at "
+            f"{moment.isoformat(timespec='seconds').replace('+00:00', 'Z')}) is older than since)"
+        )
+    return " (starts at the since bound)"
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
