@@ -14,6 +14,7 @@ state shared by every node, changed only by an explicit, audited operator call
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -146,6 +147,17 @@ class CacheConfig:
     #: How long a load's lease on its extents lasts without renewal; a dead node's leases
     #: lapse after it.
     lease_seconds: float = 60.0
+    #: Seconds the serving path (lookup, cached_length, prefetch, a store's index writes, a
+    #: load's plan, lease writes and the key-epoch check) waits on a PostgreSQL index per
+    #: transaction, connecting included, before it degrades as the serving policy says (a miss,
+    #: a skipped store, ``CacheMissError`` before a load's first layer; ``strict``:
+    #: CacheUnavailableError). A new connection takes at least 2 s (libpq's floor) when one is
+    #: needed. SQLite has no network; its busy timeout applies instead (``tenantkv.index.bounds``,
+    #: docs/deploy.md).
+    index_serving_timeout: float = 2.0
+    #: The same bound for administrative and maintenance calls (tenants, tokens, audit, GC, key
+    #: rotation and retirement, purges, capacity, info), which then raise CacheUnavailableError.
+    index_admin_timeout: float = 30.0
     #: How long a shredding (tenant deletion, key retirement) keeps trying to remove the
     #: destroyed keys from the index's files (SQLite's write-ahead log; PostgreSQL's dead
     #: tuples) before it reports the scrub incomplete and leaves it to the next GC run.
@@ -194,6 +206,8 @@ class CacheConfig:
             _check_positive_number(name, getattr(self, name))
         _check_positive_number("orphan_grace", self.orphan_grace, allow_zero=True)
         _check_positive_number("scrub_timeout", self.scrub_timeout, allow_zero=True)
+        for name in ("index_serving_timeout", "index_admin_timeout"):
+            _check_positive_number(name, getattr(self, name), finite=True)
         if self.gc_interval is not None:
             _check_positive_number("gc_interval", self.gc_interval)
         if self.block_store_url is not None:
@@ -300,7 +314,15 @@ _INTS = {
     "lookup_cache_keys",
     "recent_writes_bytes",
 }
-_FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
+_FLOATS = {
+    "hit_cost",
+    "gc_interval",
+    "orphan_grace",
+    "lease_seconds",
+    "scrub_timeout",
+    "index_serving_timeout",
+    "index_admin_timeout",
+}
 _BOOLS = {
     "durable",
     "map_reads",
@@ -333,11 +355,17 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_positive_number(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def _check_positive_number(
+    name: str, value: Any, *, allow_zero: bool = False, finite: bool = False
+) -> None:
+    """``finite`` also refuses infinity; NaN, which compares false with everything and so
+    would pass the sign checks, is refused always."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise InvalidRequestError(f"{name} must be positive, got {value!r}")
+    if finite and math.isinf(value):
+        raise InvalidRequestError(f"{name} must be finite, got {value!r}")
 
 
 def default_root() -> str:
