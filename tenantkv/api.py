@@ -32,7 +32,7 @@ from .datapath.staging import RingStats
 from .errors import CacheUnavailableError, InvalidRequestError
 from .index import stats
 from .index.database import Database
-from .index.failures import describe, typed_failures
+from .index.failures import describe, typed_failures, unavailable
 from .layout import KVLayout
 from .private_files import private_dir
 from .security_events import SecurityEvent
@@ -268,7 +268,7 @@ class TenantKV:
         try:
             return gc_collect(ctx, orphan_grace=grace, progress=progress)
         except StorageError as err:  # listing the block store failed
-            raise CacheUnavailableError(f"gc failed: {err}") from err
+            raise unavailable("gc", err) from err
 
     def start_background_gc(self, interval: float) -> None:
         """Collect garbage every ``interval`` seconds until :meth:`close` (idempotent)."""
@@ -334,7 +334,8 @@ class TenantKV:
         try:
             ctx.index.schema_version()
         except SQLAlchemyError as err:
-            raise CacheUnavailableError(f"the index does not answer: {describe(err)}") from err
+            # No driver text: the admin API's health answer shows it to clients (logged instead).
+            raise unavailable("the health check", err) from err
 
     def health_counters(self) -> dict[str, int]:
         """Counts of what went wrong in this process that is not a security event: lost
