@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Engine, event
 
@@ -118,6 +119,14 @@ def _bounded_connection_class() -> type[Any]:
     import psycopg
     from psycopg import errors
 
+    # psycopg offers no public per-round-trip timeout; ``Connection.wait(timeout=)`` and the
+    # ``_WaitTimeout`` it raises are what its own bounded waits use (3.3). Resolved here, at
+    # the first connection, so that a psycopg without them fails every connection loudly
+    # instead of leaving the index's waits unbounded (pyproject asks for 3.3, as tested).
+    wait_timeout: type[BaseException] = getattr(errors, "_WaitTimeout", None) or _missing()
+    if "timeout" not in inspect.signature(psycopg.Connection.wait).parameters:
+        _missing()
+
     class _BoundedConnection(psycopg.Connection[Any]):
         """A psycopg connection whose every wait on the server ends within its bound."""
 
@@ -129,9 +138,9 @@ def _bounded_connection_class() -> type[Any]:
             left = time_left(self.round_trip_s)
             try:
                 if left <= 0:
-                    raise errors._WaitTimeout("no time left")
+                    raise wait_timeout("no time left")
                 return super().wait(gen, interval, left)
-            except errors._WaitTimeout:
+            except wait_timeout:
                 # Mid-protocol, the connection's state is unknown: close it, so that it is
                 # discarded (SQLAlchemy sees it broken) instead of going back to the pool.
                 self.pgconn.finish()
@@ -140,3 +149,12 @@ def _bounded_connection_class() -> type[Any]:
                 ) from None
 
     return _BoundedConnection
+
+
+def _missing() -> NoReturn:
+    import psycopg
+
+    raise RuntimeError(
+        f"psycopg {psycopg.__version__} lacks the bounded wait tenantkv relies on "
+        "(Connection.wait(timeout=), errors._WaitTimeout); install psycopg 3.3"
+    )
