@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from .audit import Attribution
 from .components.context import CacheContext, build_context
@@ -32,6 +32,7 @@ from .datapath.staging import RingStats
 from .errors import CacheUnavailableError, InvalidRequestError
 from .index import stats
 from .index.database import Database
+from .index.failures import describe, typed_failures, unavailable
 from .layout import KVLayout
 from .private_files import private_dir
 from .security_events import SecurityEvent
@@ -53,8 +54,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tenantkv")
 
 
+@typed_failures
 class TenantKV:
-    """A tenantkv cache. Create with :func:`tenantkv.open`; close with :meth:`close` or ``with``."""
+    """A tenantkv cache. Create with :func:`tenantkv.open`; close with :meth:`close` or ``with``.
+
+    Every public method raises CacheUnavailableError, never a driver's or the block store's
+    error, when the index or block store fails (``typed_failures``); on PostgreSQL within the
+    config's ``index_admin_timeout`` (``index_serving_timeout`` for a namespace's serving
+    calls)."""
 
     def __init__(self, context: CacheContext, key_wrapper: KeyWrapper) -> None:
         self._ctx = context
@@ -69,10 +76,10 @@ class TenantKV:
             context.runtime.shutdown(wait=False)
             context.blocks.close()
             context.index.close()
-            if isinstance(err, OperationalError):  # unreachable, timed out, refused
+            if isinstance(err, SQLAlchemyError):  # unreachable, timed out, refused
                 url = context.index.engine.url.render_as_string(hide_password=True)
                 raise CacheUnavailableError(
-                    f"opening the index at {url} failed: {err.orig}"
+                    f"opening the index at {url} failed: {describe(err)}"
                 ) from err
             raise
         self._coordination.start()
@@ -269,7 +276,7 @@ class TenantKV:
         try:
             return gc_collect(ctx, orphan_grace=grace, progress=progress)
         except StorageError as err:  # listing the block store failed
-            raise CacheUnavailableError(f"gc failed: {err}") from err
+            raise unavailable("gc", err) from err
 
     def start_background_gc(self, interval: float) -> None:
         """Collect garbage every ``interval`` seconds until :meth:`close` (idempotent)."""
@@ -335,7 +342,8 @@ class TenantKV:
         try:
             ctx.index.schema_version()
         except SQLAlchemyError as err:
-            raise CacheUnavailableError(f"the index does not answer: {err}") from err
+            # No driver text: the admin API's health answer shows it to clients (logged instead).
+            raise unavailable("the health check", err) from err
 
     def health_counters(self) -> dict[str, int]:
         """Counts of what went wrong in this process that is not a security event: lost
@@ -433,9 +441,12 @@ def open(
         private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
         wrapper = open_key_wrapper(config, create_key_file=not existing)
         store = block_store or open_blocks(config)
-        context = build_context(
-            config, index=Database(config.index_url), blocks=store, key_wrapper=wrapper, clock=clock
+        index = Database(
+            config.index_url,
+            serving_timeout=config.index_serving_timeout,
+            admin_timeout=config.index_admin_timeout,
         )
+        context = build_context(config, index=index, blocks=store, key_wrapper=wrapper, clock=clock)
         kv = TenantKV(context, wrapper)  # closes what it was given if it fails
     except BaseException:
         if first is not None:

@@ -149,6 +149,17 @@ class CacheConfig:
     #: How long a load's lease on its extents lasts without renewal; a dead node's leases
     #: lapse after it.
     lease_seconds: float = 60.0
+    #: Seconds the serving path (lookup, cached_length, prefetch, a store's index writes, a
+    #: load's plan, lease writes and the key-epoch check) waits on a PostgreSQL index per
+    #: transaction, connecting included, before it degrades as the serving policy says (a miss,
+    #: a skipped store, ``CacheMissError`` before a load's first layer; ``strict``:
+    #: CacheUnavailableError). A new connection takes at least 2 s (libpq's floor) when one is
+    #: needed. SQLite has no network; its busy timeout applies instead (``tenantkv.index.bounds``,
+    #: docs/deploy.md).
+    index_serving_timeout: float = 2.0
+    #: The same bound for administrative and maintenance calls (tenants, tokens, audit, GC, key
+    #: rotation and retirement, purges, capacity, info), which then raise CacheUnavailableError.
+    index_admin_timeout: float = 30.0
     #: How long a shredding (tenant deletion, key retirement) keeps trying to remove the
     #: destroyed keys from the index's files (SQLite's write-ahead log; PostgreSQL's dead
     #: tuples) before it reports the scrub incomplete and leaves it to the next GC run.
@@ -197,6 +208,8 @@ class CacheConfig:
         _check_positive_number("hit_cost", self.hit_cost, maximum=1.0)
         for name in ("orphan_grace", "scrub_timeout"):
             _check_positive_number(name, getattr(self, name), maximum=MAX_SECONDS, allow_zero=True)
+        for name in ("index_serving_timeout", "index_admin_timeout"):
+            _check_positive_number(name, getattr(self, name), maximum=MAX_SECONDS)
         if self.gc_interval is not None:
             _check_positive_number("gc_interval", self.gc_interval, maximum=MAX_SECONDS)
         if self.block_store_url is not None:
@@ -309,7 +322,15 @@ _INTS = {
     "lookup_cache_keys",
     "recent_writes_bytes",
 }
-_FLOATS = {"hit_cost", "gc_interval", "orphan_grace", "lease_seconds", "scrub_timeout"}
+_FLOATS = {
+    "hit_cost",
+    "gc_interval",
+    "orphan_grace",
+    "lease_seconds",
+    "scrub_timeout",
+    "index_serving_timeout",
+    "index_admin_timeout",
+}
 _BOOLS = {
     "durable",
     "map_reads",

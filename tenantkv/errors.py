@@ -11,7 +11,10 @@
   while the load ran.
 * :class:`CacheUnavailableError` -- the index or block store failed (strict mode only; otherwise the
   serving path degrades to a miss; maintenance calls raise it, and so does ``open()`` when the
-  index server cannot be reached in time).
+  index server cannot be reached in time). Every public method of ``TenantKV``, ``Namespace``,
+  ``kv.tokens`` and ``kv.audit`` raises it rather than a driver's or block store's error
+  (``tenantkv.index.failures``), on PostgreSQL within ``index_serving_timeout`` (serving calls)
+  or ``index_admin_timeout`` (the rest; ``tenantkv.index.bounds``).
 * :class:`TenantAssertionError` -- a serving engine's request carried no valid signed tenant
   assertion (missing, malformed, forged, expired, ...; ``reason`` says which). Engines turn it
   into a miss plus a security event, never a failed request.

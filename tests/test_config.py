@@ -102,3 +102,22 @@ def test_worker_counts_and_window_follow_the_cpus_the_process_can_use(
 
 def test_cores_are_the_usable_cpus_of_this_process() -> None:
     assert CacheConfig().cores == tenantkv.host_cpus.usable_cpu_count()
+
+
+@pytest.mark.parametrize("name", ["index_serving_timeout", "index_admin_timeout"])
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "2", True])
+def test_index_bounds_must_be_finite_and_positive(name: str, bad: object) -> None:
+    """A bound that is zero, negative, infinite or NaN would leave a call unbounded or failing
+    at once (NaN compares false with everything, so a sign check alone lets it through)."""
+    with pytest.raises(tenantkv.InvalidRequestError, match=name):
+        CacheConfig(**{name: bad})  # type: ignore[arg-type]
+    assert getattr(CacheConfig(**{name: 0.5}), name) == 0.5  # control: a finite positive bound
+    env = CacheConfig.from_env({"TENANTKV_" + name.upper(): "7.5"})
+    assert getattr(env, name) == 7.5
+
+
+def test_nan_is_refused_for_every_duration() -> None:
+    for name in ("lease_seconds", "orphan_grace", "scrub_timeout", "gc_interval", "hit_cost"):
+        with pytest.raises(tenantkv.InvalidRequestError, match=name):
+            CacheConfig(**{name: float("nan")})  # type: ignore[arg-type]
+        assert CacheConfig(**{name: 1.0}) is not None

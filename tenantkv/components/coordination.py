@@ -100,7 +100,7 @@ class LeaseKeeper:
                 return
             until = self._wall_clock() + self.lease_seconds
             try:
-                with self._db.write_connection() as connection:
+                with self._db.write_connection(serving=True) as connection:
                     for lease_id, extent_ids in batch.items():
                         leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
             except SQLAlchemyError as err:  # they hold on this node; retried next round
@@ -118,7 +118,7 @@ class LeaseKeeper:
                 self._unwritten.discard(lease_id)
             if not unwritten:  # a lease whose row was never written needs no index write
                 try:
-                    with self._db.write_connection() as connection:
+                    with self._db.write_connection(serving=True) as connection:
                         leases.release(connection, lease_id)
                 except SQLAlchemyError as err:  # the lease lapses by itself
                     logger.warning("could not release a lease (it lapses in time): %s", err)
@@ -146,7 +146,7 @@ class LeaseKeeper:
         if not extent_ids:
             return
         try:
-            with self._db.read() as session:
+            with self._db.read(serving=True) as session:
                 gone = set(extent_ids) - extents.indexed(session, extent_ids)
         except SQLAlchemyError as err:
             logger.warning("could not check released extents (left for the sweep): %s", err)
@@ -170,7 +170,7 @@ class LeaseKeeper:
         ids = list(self.active())
         if not ids:
             return
-        with self._writes, self._db.write_connection() as connection:
+        with self._writes, self._db.write_connection(serving=True) as connection:
             leases.renew(connection, ids, self._wall_clock() + self.lease_seconds)
 
     def release_all(self) -> None:
@@ -190,7 +190,7 @@ class KeyEpochWatcher:
     def check(self) -> bool:
         """Read the epoch; on a change since the last check, clear the keyring. Returns
         whether it cleared."""
-        with self._db.read_connection() as connection:
+        with self._db.read_connection(serving=True) as connection:
             epoch = counters.read(connection, counters.KEY_EPOCH)
         changed = self._seen is not None and epoch != self._seen
         self._seen = epoch

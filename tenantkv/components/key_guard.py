@@ -48,7 +48,7 @@ class KeyGuard:
         if current == self._seen:
             return True
         try:
-            with self._db.read() as session:
+            with self._db.read(serving=True) as session:
                 present = all(
                     tenant_rows.wrapped_data_key(session, self._tenant_id, version) is not None
                     for version in self._versions

@@ -24,6 +24,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from ..private_files import private_sqlite_files
+from . import bounds
 from .schema import DataKey, SchemaInfo
 from .schema import Namespace as NamespaceRow
 
@@ -120,28 +121,71 @@ def _server_connect_args(url: str) -> tuple[dict[str, Any], str | None]:
 
 
 class Database:
-    """Owns the engine; hands out read and write sessions.
+    """Owns the engines; hands out read and write sessions.
 
     On a server, the pool tests each connection before lending it (``pool_pre_ping``): after
     the server restarted or killed this node's backends, the next operation reconnects by
-    itself; only operations already running when it went away fail (and degrade to a miss)."""
+    itself; only operations already running when it went away fail (and degrade to a miss).
 
-    def __init__(self, url: str) -> None:
+    With bounds (``serving_timeout``, ``admin_timeout``; ``tenantkv.index.bounds``), a PostgreSQL
+    index gets two engines: one for the serving path (lookups, a load's plan, a store's index
+    writes, lease writes: ``serving=True``), whose transactions end within the short bound, and
+    one for everything else (administration and maintenance), within the long one; each pool's
+    checkout waits no longer than its bound. Without bounds (schema upgrades, tools) nothing is
+    bounded but new connections (``connect_timeout``). SQLite has no network: its busy timeout
+    is the only wait, and one engine serves both kinds.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        serving_timeout: float | None = None,
+        admin_timeout: float | None = None,
+    ) -> None:
         self.url = url
         is_sqlite = url.startswith("sqlite")
-        connect_args: dict[str, Any] = {"check_same_thread": False} if is_sqlite else {}
         #: What this cache's connections are called on a PostgreSQL server (None on SQLite).
         self.application_name: str | None = None
+        self._bounds: dict[bool, float | None] = {False: None, True: None}
         if is_sqlite:
             _private_database_file(url)
-        elif url.startswith("postgresql"):
-            extra, self.application_name = _server_connect_args(url)
-            connect_args.update(extra)
-        self.engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
-        if is_sqlite:
+            self.engine = create_engine(url, connect_args={"check_same_thread": False})
             _configure_sqlite(self.engine)
-        self._write_engine = self.engine.execution_options(**{_IMMEDIATE: True})
+            self.serving_engine = self.engine
+        else:
+            extra: dict[str, Any] = {}
+            if url.startswith("postgresql"):
+                extra, self.application_name = _server_connect_args(url)
+                self._bounds = {False: admin_timeout, True: serving_timeout}
+            self.engine = self._server_engine(url, extra, admin_timeout)
+            self.serving_engine = (
+                self.engine
+                if serving_timeout is None
+                else self._server_engine(url, extra, serving_timeout)
+            )
+        self._write_engines = {
+            False: self.engine.execution_options(**{_IMMEDIATE: True}),
+            True: self.serving_engine.execution_options(**{_IMMEDIATE: True}),
+        }
+        self._read_engines = {False: self.engine, True: self.serving_engine}
         self.dialect = self.engine.dialect.name
+
+    @staticmethod
+    def _server_engine(url: str, connect_args: dict[str, Any], bound: float | None) -> Engine:
+        """An engine of a database server whose waits end within ``bound`` (None: unbounded
+        but for new connections)."""
+        if bound is None or not url.startswith("postgresql"):
+            return create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+        query = make_url(url).query
+        args = {**connect_args, **bounds.bounded_connect_args(bound, query)}
+        engine = create_engine(url, connect_args=args, pool_pre_ping=True, pool_timeout=bound)
+        bounds.install(engine, bound)
+        return engine
+
+    def bound(self, *, serving: bool = False) -> float | None:
+        """Seconds an index transaction of this kind may take (None: unbounded)."""
+        return self._bounds[serving]
 
     def create_tables(self, *metadata: MetaData) -> None:
         """Create the missing tables of ``metadata``, one process at a time.
@@ -184,28 +228,45 @@ class Database:
                 connection.commit()
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[Session]:
-        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+    def read(self, *, serving: bool = False) -> Iterator[Session]:
+        """An ORM session in one read transaction; ``serving`` for the serving path's bound."""
+        with (
+            bounds.deadline(self._bounds[serving]),
+            Session(self._read_engines[serving], expire_on_commit=False) as session,
+            session.begin(),
+        ):
             yield session
 
     @contextlib.contextmanager
-    def read_connection(self) -> Iterator[Connection]:
+    def read_connection(self, *, serving: bool = False) -> Iterator[Connection]:
         """A Core connection in one read transaction, for hot paths that need no ORM session
         (a load's plan); it is rolled back on exit. Its statements see one snapshot on SQLite;
         on PostgreSQL (READ COMMITTED) each statement sees its own, so what must agree is read
         in one statement (see plan_query.py)."""
-        with self.engine.connect() as connection, connection.begin():
+        with (
+            bounds.deadline(self._bounds[serving]),
+            self._read_engines[serving].connect() as connection,
+            connection.begin(),
+        ):
             yield connection
 
     @contextlib.contextmanager
-    def write_connection(self) -> Iterator[Connection]:
+    def write_connection(self, *, serving: bool = False) -> Iterator[Connection]:
         """A Core connection in one write transaction (committed on a clean exit)."""
-        with self._write_engine.connect() as connection, connection.begin():
+        with (
+            bounds.deadline(self._bounds[serving]),
+            self._write_engines[serving].connect() as connection,
+            connection.begin(),
+        ):
             yield connection
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[Session]:
-        with Session(self._write_engine, expire_on_commit=False) as session, session.begin():
+    def write(self, *, serving: bool = False) -> Iterator[Session]:
+        with (
+            bounds.deadline(self._bounds[serving]),
+            Session(self._write_engines[serving], expire_on_commit=False) as session,
+            session.begin(),
+        ):
             yield session
 
     def insert_ignoring_duplicates(self, table: Any) -> Any:
@@ -304,3 +365,5 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self.serving_engine is not self.engine:
+            self.serving_engine.dispose()

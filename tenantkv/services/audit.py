@@ -31,11 +31,13 @@ from ..components.context import CacheContext
 from ..index import audit_queries
 from ..index import tenants as tenant_rows
 from ..index.audit_chains import incarnation_chain
+from ..index.failures import typed_failures
 
 AUDIT_CHECKPOINT: Final = "audit.checkpoint"
 MAX_CHECKPOINTS: Final = 1000
 
 
+@typed_failures
 class AuditService:
     """Audit reads and records for the admin API and the CLI."""
 

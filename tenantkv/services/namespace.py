@@ -32,6 +32,7 @@ from ..errors import (
     TenantNotFoundError,
 )
 from ..index import namespaces
+from ..index.failures import typed_failures
 from ..index.schema import Namespace as NamespaceRow
 from ..layout import KVLayout
 from ..prefix import (
@@ -48,12 +49,17 @@ from .tenants import check_tenant_name
 from .writes import NamespaceWrites
 
 
+@typed_failures
 class Namespace(NamespaceReads, NamespaceWrites):
     """Store, look up and load prefix caches of one (tenant, scope, model fingerprint).
 
     One object to callers, its methods grouped by job: reads in :class:`NamespaceReads`
     (``reads.py``), writes in :class:`NamespaceWrites` (``writes.py``), both over the keys of
     ``namespace_keys.py``; ``load``, which joins a read plan to the loader, is here.
+
+    Serving calls degrade as the serving policy says (``components/serving.py``); every other
+    public method raises CacheUnavailableError where the index or block store fails
+    (``typed_failures``), never a driver's error.
     """
 
     def __repr__(self) -> str:

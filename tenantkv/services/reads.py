@@ -65,7 +65,7 @@ class NamespaceReads(NamespaceKeys):
         held = lookups.held(namespace_id)
         run = 0 if held is None else held.run(keys, now)
         probe = keys[run] if run < len(keys) else None
-        with self._ctx.index.read_connection() as connection:
+        with self._ctx.index.read_connection(serving=True) as connection:
             check = blocks.check_lookup(connection, namespace_id, self._removals, probe, now)
             if check is None:  # the namespace is gone (its tenant was deleted)
                 lookups.forget(namespace_id)
@@ -153,7 +153,7 @@ class NamespaceReads(NamespaceKeys):
             cached = self._cached_blocks(keys)
             if cached == 0:
                 return 0
-            with self._ctx.index.read_connection() as connection:
+            with self._ctx.index.read_connection(serving=True) as connection:
                 plan = self._plan(connection, keys[:cached])
             for run in plan.runs:
                 geometry = run.extent.geometry
@@ -183,7 +183,7 @@ class NamespaceReads(NamespaceKeys):
         this node at once, its row written in the background, so the first layer waits on no
         index write (a write transaction here queued behind other writers' locks and cost
         milliseconds of time to first layer on SQLite; see docs/perf.md)."""
-        with self._ctx.index.read_connection() as connection:
+        with self._ctx.index.read_connection(serving=True) as connection:
             plan = self._plan(connection, keys)
         lease = self._ctx.leases.take([e.extent_id for e in plan.extents])
         return plan, lease

@@ -45,6 +45,7 @@ from ..errors import CacheUnavailableError, InvalidRequestError, TenantNotFoundE
 from ..index import api_tokens
 from ..index import tenants as tenant_rows
 from ..index.api_tokens import ApiToken
+from ..index.failures import typed_failures
 from .tenants import check_tenant_name
 
 Role = Literal["operator", "tenant-admin", "auditor"]
@@ -152,6 +153,7 @@ def _info(row: ApiToken) -> TokenInfo:
     )
 
 
+@typed_failures
 class TokenService:
     """The admin API's tokens over one open cache's components (``kv.tokens``).
 

@@ -105,7 +105,7 @@ class NamespaceWrites(NamespaceKeys):
 
     def _present_keys(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> set[bytes]:
         """The subset of ``keys`` that is indexed (see ``index.blocks.present_keys``)."""
-        with self._ctx.index.read() as session:
+        with self._ctx.index.read(serving=True) as session:
             return blocks.present_keys(
                 session,
                 self.identity.namespace_id,
@@ -116,7 +116,7 @@ class NamespaceWrites(NamespaceKeys):
 
     def _tenant_settings(self) -> tuple[int, bytes, int, dict[str, float]]:
         """(key version, data key, quota bytes, retention) of the tenant, now."""
-        with self._ctx.index.read() as session:
+        with self._ctx.index.read(serving=True) as session:
             settings = blocks.write_settings(session, self.identity.tenant_id)
         if settings is None:
             raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
@@ -208,7 +208,7 @@ class NamespaceWrites(NamespaceKeys):
         namespace_id = self.identity.namespace_id
         tenant_id = self.identity.tenant_id
         evicted: list[Evicted] = []
-        with self._ctx.index.write() as session:
+        with self._ctx.index.write(serving=True) as session:
             quota = blocks.lock_quota(session, tenant_id)
             if quota is None:
                 raise TenantNotFoundError(f"tenant {self.tenant!r} no longer exists")
