@@ -77,7 +77,11 @@ class TenantKV:
             context.blocks.close()
             context.index.close()
             if isinstance(err, SQLAlchemyError):  # unreachable, timed out, refused
-                url = context.index.engine.url.render_as_string(hide_password=True)
+                # The operator's own URL (password hidden), without the driver's name: the
+                # CLI prints this as its one sentence.
+                engine_url = context.index.engine.url
+                bare = engine_url.set(drivername=engine_url.get_backend_name())
+                url = bare.render_as_string(hide_password=True)
                 raise CacheUnavailableError(
                     f"opening the index at {url} failed: {describe(err)}"
                 ) from err
