@@ -141,6 +141,7 @@ def _calls(
         "set_capacity": lambda: kv.set_capacity(capacity_bytes=2**40),
         "staging_stats": kv.staging_stats,
         "start_background_gc": lambda: kv.start_background_gc(3600.0),
+        "tenant_incarnation": lambda: kv.tenant_incarnation("acme"),
         "tokens": lambda: kv.tokens,
         "update_tenant": lambda: kv.update_tenant("acme", quota_bytes=2**30 + 1),
         "usage": lambda: kv.usage("acme"),
