@@ -2,9 +2,10 @@
 
 ``open`` builds the components once (``tenantkv.components.context``) and the facade hands
 each call to the service that does it (``tenantkv.services``). The facade holds no logic of its
-own beyond the order of closing. The admin API's tokens and the audit log are service objects
-(:attr:`TenantKV.tokens`, :attr:`TenantKV.audit`), so edges (the admin service, the CLI) reach
-them without the components; :attr:`TenantKV.context` is for tests and embedders that need a
+own beyond the order of closing. The admin API's tokens, the inference keys and the audit log
+are service objects (:attr:`TenantKV.tokens`, :attr:`TenantKV.inference_keys`,
+:attr:`TenantKV.audit`), so edges (the admin service, the CLI, the gateway) reach them without
+the components; :attr:`TenantKV.context` is for tests and embedders that need a
 component itself.
 """
 
@@ -40,6 +41,7 @@ from .services import capacity, purge, reseal, tenants
 from .services.audit import AuditService
 from .services.gc import BackgroundGc, GcReport, Progress
 from .services.gc import collect as gc_collect
+from .services.inference_keys import InferenceKeyService
 from .services.namespace import Namespace, open_namespace
 from .services.opening import FirstOpening, holds_cache, not_found
 from .services.purge import PurgeReport
@@ -67,6 +69,7 @@ class TenantKV:
         self._ctx = context
         self._tokens = TokenService(context)
         self._audit = AuditService(context)
+        self._inference_keys = InferenceKeyService(context)
         self._gc: BackgroundGc | None = None
         self._lock = threading.Lock()
         self._coordination = CoordinationThread(context.leases, context.key_epoch)
@@ -105,6 +108,12 @@ class TenantKV:
         return self._tokens
 
     @property
+    def inference_keys(self) -> InferenceKeyService:
+        """Keys of inference traffic: mint, list, revoke, authenticate
+        (``services/inference_keys.py``)."""
+        return self._inference_keys
+
+    @property
     def audit(self) -> AuditService:
         """The audit log: exports, checkpoints, the public key (``services/audit.py``)."""
         return self._audit
@@ -126,6 +135,7 @@ class TenantKV:
         for stream in streams:  # their chunks must finish before the pools go away
             stream.close()
         self._coordination.stop()
+        self._inference_keys.close()  # use counts not yet written
         try:
             self._ctx.meter.flush(self._ctx.index)
         except SQLAlchemyError as err:

@@ -102,6 +102,7 @@ def _calls(
     hot: list[int],
     tag: str,
     token: str,
+    inference_key: str,
 ) -> dict[str, Callable[[], Any]]:
     """One call of every public method and property of the facade and the namespace, and of
     the running load; ``tag`` keeps names apart between the fault and the healed rounds."""
@@ -125,6 +126,7 @@ def _calls(
         "gc": kv.gc,
         "get_tenant": lambda: kv.get_tenant("acme"),
         "health_counters": kv.health_counters,
+        "inference_keys": lambda: kv.inference_keys,
         "info": kv.info,
         "leased_extents": kv.leased_extents,
         "list_tenants": kv.list_tenants,
@@ -139,6 +141,7 @@ def _calls(
         "set_capacity": lambda: kv.set_capacity(capacity_bytes=2**40),
         "staging_stats": kv.staging_stats,
         "start_background_gc": lambda: kv.start_background_gc(3600.0),
+        "tenant_incarnation": lambda: kv.tenant_incarnation("acme"),
         "tokens": lambda: kv.tokens,
         "update_tenant": lambda: kv.update_tenant("acme", quota_bytes=2**30 + 1),
         "usage": lambda: kv.usage("acme"),
@@ -146,6 +149,9 @@ def _calls(
         "tokens.listing": kv.tokens.listing,
         "tokens.create": lambda: kv.tokens.create("auditor"),
         "tokens.authenticate": lambda: kv.tokens.authenticate(token),
+        "inference_keys.create": lambda: kv.inference_keys.create("acme", f"key-{tag}"),
+        "inference_keys.list": lambda: kv.inference_keys.list("acme"),
+        "inference_keys.authenticate": lambda: kv.inference_keys.authenticate(inference_key),
         "audit.export": lambda: list(kv.audit.export(tenant="acme")),
         "audit.current_chain": lambda: kv.audit.current_chain("acme"),
         "audit.checkpoint": lambda: kv.audit.checkpoint(None, by),
@@ -220,6 +226,7 @@ def test_every_call_ends_in_its_bound_during_an_index_fault_and_works_after(
         assert ns_a.lookup(hot) == TOKENS  # control: through the proxy, a hit
 
         token = node_b.tokens.create("auditor")
+        _, inference_key = node_b.inference_keys.create("acme", "outage")
         streaming = ns_a.load(hot)  # already streaming when the fault begins
         first = streaming.wait_for_layer(0)
         try:
@@ -232,7 +239,7 @@ def test_every_call_ends_in_its_bound_during_an_index_fault_and_works_after(
                 assert time.monotonic() - started < MARGIN_S, "the load waited on the index"
             assert all(map(layers_equal, [first, *rest], hot_kv))
 
-            calls = _calls(node_a, ns_a, streaming, hot, "during", token)
+            calls = _calls(node_a, ns_a, streaming, hot, "during", token, inference_key)
             calls["stream.close"] = streaming.close
             during = _run_all(calls, deadline_s=90.0)
             missing = set(calls) - {outcome.name for outcome in during}
@@ -264,7 +271,7 @@ def test_every_call_ends_in_its_bound_during_an_index_fault_and_works_after(
                 assert time.monotonic() - started < 30.0, "no recovery 30 s after healing"
                 time.sleep(0.05)
         again = ns_a.load(hot)
-        after_calls = _calls(node_a, ns_a, again, hot, "after", token)
+        after_calls = _calls(node_a, ns_a, again, hot, "after", token, inference_key)
         after_calls["stream.close"] = again.close
         failed = {}
         for name, call in after_calls.items():  # in order: these change state for real

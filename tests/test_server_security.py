@@ -41,6 +41,9 @@ TENANT_ENDPOINTS: list[tuple[str, str, dict[str, Any] | None]] = [
     ("POST", "/v1/tenants/{t}/tokens", {"ttl_seconds": 60}),
     ("GET", "/v1/tenants/{t}/tokens", None),
     ("DELETE", "/v1/tenants/{t}/tokens/0123456789abcdef", None),
+    ("POST", "/v1/tenants/{t}/inference-keys", {"name": "app", "scope": "s"}),
+    ("GET", "/v1/tenants/{t}/inference-keys", None),
+    ("DELETE", "/v1/tenants/{t}/inference-keys/0123456789abcdef", None),
     ("GET", "/v1/audit/export?tenant={t}", None),
     ("GET", "/v1/audit/checkpoints?tenant={t}", None),
 ]
@@ -60,7 +63,8 @@ def test_cross_tenant_access_is_a_plain_404(
     if (method, path, body) in OPERATOR_ONLY:
         assert own.status_code == 403  # positive control: the route answers, the role may not
     elif path.endswith("0123456789abcdef"):
-        assert own.status_code == 404 and own.json()["detail"] == "no such token"
+        thing = "inference key" if "inference-keys" in path else "token"
+        assert own.status_code == 404 and own.json()["detail"] == f"no such {thing}"
     else:
         assert own.status_code in (200, 201), own.text  # the owner succeeds
     other = _call(api, method, path.format(t="globex"), body, api.acme)

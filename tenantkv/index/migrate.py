@@ -1,9 +1,10 @@
 """Schema revisions of the index (Alembic), and the check every opening makes.
 
-The index's tables (``schema.py``), the admin token table (``api_tokens.py``) and the audit
-tables (``tenantkv.audit``) share one database and one revision, kept in Alembic's
-``alembic_version`` table. The scripts ship inside the package (``migrations/``) and run on a
-connection this module hands over, so no ``alembic.ini`` is needed at run time.
+The index's tables (``schema.py``), the admin token and inference key tables (``api_tokens.py``,
+``inference_keys.py``) and the audit tables (``tenantkv.audit``) share one database and one
+revision, kept in Alembic's ``alembic_version`` table. The scripts ship inside the package
+(``migrations/``) and run on a connection this module hands over, so no ``alembic.ini`` is
+needed at run time.
 
 * :func:`ensure_current` (every opening): a fresh index gets today's tables from the models and is
   stamped at the head revision, so a later upgrade starts at the right place; an index at the
@@ -35,6 +36,7 @@ from ..audit import AuditBase, AuditLog
 from ..errors import SchemaVersionError
 from .api_tokens import ServerBase
 from .database import Database
+from .inference_keys import InferenceKey
 from .migrations.versions.identity_audit_macs import AUDIT_LOG
 from .schema import Base, SchemaInfo
 
@@ -42,6 +44,7 @@ _SCRIPTS: Final = Path(__file__).with_name("migrations")
 #: The value of the ``schema_version`` setting (from before migrations; kept for ``info``).
 LEGACY_SCHEMA_VERSION: Final = "1"
 _METADATA: Final[tuple[MetaData, ...]] = (Base.metadata, ServerBase.metadata, AuditBase.metadata)
+assert InferenceKey.__tablename__ in ServerBase.metadata.tables  # imported for its table
 
 
 def _config(connection: Connection | None = None, audit: AuditLog | None = None) -> Config:

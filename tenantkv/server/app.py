@@ -18,7 +18,7 @@ from .body_limit import BodyLimit
 from .gate import AuthGate
 from .metrics import Metrics, RequestMiddleware
 from .refusals import RefusalLog
-from .routers import audit, system, tenants, tokens
+from .routers import audit, inference_keys, system, tenants, tokens
 from .settings import Settings
 
 
@@ -45,7 +45,7 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.refusals = refusals
     errors.install(app)
-    routers = [module.router for module in (system, tenants, tokens, audit)]
+    routers = [module.router for module in (system, tenants, tokens, inference_keys, audit)]
     for router in routers:
         app.include_router(router)
     public = {"/healthz", app.openapi_url, app.docs_url, app.redoc_url}

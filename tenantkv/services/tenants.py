@@ -22,7 +22,7 @@ from ..audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, At
 from ..components.context import CacheContext
 from ..components.metering import UsageReport, read_usage
 from ..errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
-from ..index import api_tokens, capacity, counters
+from ..index import api_tokens, capacity, counters, inference_keys
 from ..index import tenants as tenant_rows
 from ..index.quota import Evicted, make_room, tenant_bytes, total_quota
 from ..index.schema import Tenant
@@ -264,8 +264,8 @@ def list_tenants(ctx: CacheContext) -> list[TenantInfo]:
 
 
 def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
-    """Crypto-shred a tenant: keys, index rows and its admin API tokens go in one transaction,
-    then the bytes.
+    """Crypto-shred a tenant: keys, index rows, its admin API tokens and its inference keys go
+    in one transaction, then the bytes.
 
     The tokens are revoked here, whoever deletes (Python, CLI or HTTP), and in the deletion's
     own transaction: a token minted by a request racing the deletion either committed first
@@ -278,6 +278,7 @@ def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
         extent_ids = tenant_rows.extent_ids(session, tenant_id)
         namespace_ids = tenant_rows.namespace_ids(session, tenant_id)
         revoked = api_tokens.revoke_all_of(session, tenant_id, ctx.clock())
+        keys_revoked = inference_keys.revoke_all_of(session, tenant_id, ctx.clock())
         tenant_rows.shred(session, row)  # keys first, in the same transaction
         counters.bump(session, counters.KEY_EPOCH)  # other nodes drop its cached keys
         ctx.audit.append(
@@ -290,6 +291,7 @@ def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
                     "extents": len(extent_ids),
                     "namespaces": len(namespace_ids),
                     "tokens_revoked": revoked,
+                    "inference_keys_revoked": keys_revoked,
                 },
                 tenant_id=tenant_id,  # the row is gone by now: name the incarnation
             ),
