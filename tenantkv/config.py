@@ -31,10 +31,10 @@ from .crypto import (
     default_master_key_provider,
 )
 from .errors import InvalidRequestError, MasterKeyError
+from .settings_file import CONFIG_ENV, ENV_PREFIX, Section, SettingsFile
 from .storage import BlockStore, BlockStoreUrlError, check_block_store_url, open_block_store
 
 DEFAULT_ROOT = "./tenantkv-data"
-ENV_PREFIX = "TENANTKV_"
 MiB = 2**20
 #: The longest duration a setting takes (a year): finite, and far below the timeouts' limits.
 MAX_SECONDS = 366 * 86400.0
@@ -258,13 +258,39 @@ class CacheConfig:
         return dataclasses.replace(self, **overrides)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CacheConfig:
-        """A config from ``TENANTKV_<FIELD>`` variables (``TENANTKV_ROOT``,
-        ``TENANTKV_DATABASE_URL``, ``TENANTKV_BLOCK_STORE_URL``, ``TENANTKV_LOAD_WORKERS``,
-        ...), then ``overrides``. The master key is not read here: its provider reads
-        ``TENANTKV_MASTER_KEY`` itself."""
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        config_file: str | os.PathLike[str] | None = None,
+        **overrides: Any,
+    ) -> CacheConfig:
+        """A config from the ``[cache]`` table of the configuration file (``config_file``, else
+        the file ``TENANTKV_CONFIG`` names, if any), then ``TENANTKV_<FIELD>`` variables
+        (``TENANTKV_ROOT``, ``TENANTKV_DATABASE_URL``, ``TENANTKV_BLOCK_STORE_URL``,
+        ``TENANTKV_LOAD_WORKERS``, ...), then ``overrides``: overrides > environment > file >
+        defaults. A ``TENANTKV_*`` variable no component reads is refused
+        (:func:`check_environment`): a misspelt one would leave a fleet node on its own SQLite
+        index. The master key is not read here: its provider reads ``TENANTKV_MASTER_KEY``
+        itself."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        check_environment(env)
+        path = config_file or env.get(CONFIG_ENV) or None
+        if path is None:
+            return cls._from_sources(env, {}, overrides)
+        settings = SettingsFile.read(path)
+        settings.check_sections()
+        spec = dataclasses.replace(
+            CACHE_SECTION, build=lambda values, e: cls._from_sources(e, values, overrides)
+        )
+        config: CacheConfig = settings.build(spec, env)
+        return config
+
+    @classmethod
+    def _from_sources(
+        cls, env: Mapping[str, str], file_values: Mapping[str, Any], overrides: Mapping[str, Any]
+    ) -> CacheConfig:
+        values: dict[str, Any] = dict(file_values)
         for field in dataclasses.fields(cls):
             if field.name == "master_key":
                 continue
@@ -274,6 +300,83 @@ class CacheConfig:
             values[field.name] = _parse_env(field.name, raw)
         values.update(overrides)
         return cls(**values)
+
+
+#: The configuration file's ``[cache]`` table: every field but the master key (an object; the
+#: key itself belongs in ``TENANTKV_MASTER_KEY``, a key file or a KMS, never in this file).
+CACHE_SECTION = Section(
+    "cache",
+    CacheConfig,
+    exclude=frozenset({"master_key"}),
+    build=lambda values, env: CacheConfig._from_sources(env, values, {}),
+)
+
+
+class UnknownEnvironmentError(InvalidRequestError):
+    """A ``TENANTKV_*`` environment variable that no component reads (a misspelling)."""
+
+
+#: The admin server's variables (``tenantkv.server.settings.Settings``; a test keeps the two
+#: in step), besides ``TENANTKV_ROOT``, which the cache owns.
+SERVER_ENV_FIELDS = frozenset(
+    {
+        "host",
+        "port",
+        "log_level",
+        "metrics_public",
+        "max_token_ttl_seconds",
+        "default_token_ttl_seconds",
+        "max_body_bytes",
+        "refusal_window_seconds",
+        "refusal_max_sources",
+    }
+)
+#: Variables of the project's own test and packaging scripts (scripts/, tests/).
+TOOLING_ENV = frozenset(
+    {
+        "TENANTKV_TEST_POSTGRES_URL",
+        "TENANTKV_TEST_REDIS_URL",
+        "TENANTKV_TEST_OTHER_KEY",
+        "TENANTKV_SKIP_ENGINES",
+        "TENANTKV_SKIP_PEERS",
+        "TENANTKV_SKIP_PACKAGE_CHECK",
+        "TENANTKV_FUZZ_EXAMPLES",
+        "TENANTKV_PKGCHECK_POSTGRES",
+        "TENANTKV_PKGCHECK_REQUIRE_POSTGRES",
+    }
+)
+
+
+def known_environment() -> frozenset[str]:
+    """Every ``TENANTKV_*`` variable some component reads: the allow-list. A component that
+    reads new ones adds them here."""
+    cache = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(CacheConfig) if f.init}
+    server = {ENV_PREFIX + name.upper() for name in SERVER_ENV_FIELDS}
+    return frozenset(cache | server | TOOLING_ENV | {CONFIG_ENV, crypto.MASTER_KEY_ENV})
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a ``TENANTKV_*`` variable no component reads.
+
+    Refusing rather than warning: a misspelt ``TENANTKV_DATABSE_URL`` left a fleet node on its
+    own SQLite index under its root, serving and storing apart from the fleet, with nothing but
+    a log line to say so; a node that fails to start is noticed at once."""
+    env = os.environ if environ is None else environ
+    known = known_environment()
+    unknown = sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known)
+    if unknown:
+        import difflib
+
+        hints = []
+        for name in unknown:
+            match = difflib.get_close_matches(name, sorted(known), n=1)
+            hints.append(f"{name} (did you mean {match[0]}?)" if match else name)
+        raise UnknownEnvironmentError(
+            "unknown tenantkv environment variable"
+            + ("s: " if len(unknown) > 1 else ": ")
+            + ", ".join(hints)
+            + " (unset it, or see docs/deploy.md for the names)"
+        )
 
 
 def open_key_wrapper(config: CacheConfig, *, create_key_file: bool = True) -> KeyWrapper:
@@ -381,11 +484,22 @@ def _check_positive_number(
 
 def default_root() -> str:
     """The root the CLI and the admin service use when none is given: ``TENANTKV_ROOT``, else
+    the ``root`` of the configuration file ``TENANTKV_CONFIG`` names, else
     ``./tenantkv-data``."""
-    return os.environ.get(ENV_PREFIX + "ROOT") or DEFAULT_ROOT
+    from_env = os.environ.get(ENV_PREFIX + "ROOT")
+    if from_env:
+        return from_env
+    path = os.environ.get(CONFIG_ENV)
+    if path:
+        settings = SettingsFile.read(path)
+        root = settings.table(CACHE_SECTION).get("root")
+        if root:
+            return str(root)
+    return DEFAULT_ROOT
 
 
 def config_for_root(root: str | os.PathLike[str]) -> CacheConfig:
     """What the CLI and the admin service open: ``root``, with every other setting from the
-    ``TENANTKV_*`` environment (so one deployment's settings reach every entry point)."""
+    configuration file ``TENANTKV_CONFIG`` names and the ``TENANTKV_*`` environment (so one
+    deployment's settings reach every entry point)."""
     return CacheConfig.from_env(root=Path(root))

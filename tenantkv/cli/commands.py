@@ -1,11 +1,17 @@
 """The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
-``audit``, ``db``, ``serve``, ``token`` and ``key``."""
+``audit``, ``db``, ``serve``, ``token``, ``key`` and ``config``.
+
+Every command takes ``--config FILE`` (or ``TENANTKV_CONFIG``): the configuration file, checked
+whole before the command runs, whose settings the environment overrides and the command's own
+arguments override in turn. A ``TENANTKV_*`` variable no component reads stops every command
+(``config.check_environment``)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -25,11 +31,14 @@ from .. import (
     __version__,
 )
 from .. import open as open_cache
-from ..config import config_for_root, default_root
+from ..config import check_environment, config_for_root, default_root
 from ..services.gc import text_progress
 from ..services.opening import holds_cache
 from ..services.tokens import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS
+from ..settings_file import CONFIG_ENV
 from .audit import register as register_audit_commands
+from .config import register as register_config_commands
+from .config import validate_file
 from .db import register as register_db_commands
 from .keys import register as register_key_commands
 from .server import register as register_server_commands
@@ -247,22 +256,64 @@ def build_parser() -> argparse.ArgumentParser:
     register_db_commands(commands)
     register_server_commands(commands)
     register_key_commands(commands)
+    register_config_commands(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")
     walk.add_argument("--tokens", type=int, default=2048)
     walk.add_argument("--layers", type=int, default=61)
     walk.set_defaults(handler=_cmd_walkthrough)
+    _add_config_option(parser)
     return parser
 
 
+def _add_config_option(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """``--config FILE`` on the command and every subcommand (``tenantkv info --config F`` and
+    ``tenantkv --config F info`` alike); ``main`` reads it before the parser is built."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None if top else argparse.SUPPRESS,
+        help=f"configuration file (default: ${CONFIG_ENV}; docs/deploy.md)",
+    )
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                _add_config_option(sub, top=False)
+
+
+def _config_file(argv: Sequence[str] | None) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known.config if known.config else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run a command. The configuration file is put in ``TENANTKV_CONFIG`` for the command's
+    run (restored after), before the parser is built, so that every default (the root) and
+    every settings reader (the cache, the admin server) sees the same file."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    before = os.environ.get(CONFIG_ENV)
+    path = _config_file(argv)
+    if path is not None:
+        os.environ[CONFIG_ENV] = path
     try:
-        return int(args.handler(args))
-    except (TenantKVError, MasterKeyError) as err:
-        print(f"tenantkv: {err}", file=sys.stderr)
-        return 2
+        try:
+            check_environment(os.environ)
+            path = os.environ.get(CONFIG_ENV) or None
+            args = build_parser().parse_args(argv)
+            if path is not None and args.command != "config":
+                validate_file(path, os.environ)
+            return int(args.handler(args))
+        except (TenantKVError, MasterKeyError) as err:
+            print(f"tenantkv: {err}", file=sys.stderr)
+            return 2
+    finally:
+        if before is None:
+            os.environ.pop(CONFIG_ENV, None)
+        else:
+            os.environ[CONFIG_ENV] = before
 
 
 if __name__ == "__main__":

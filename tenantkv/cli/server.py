@@ -30,14 +30,15 @@ from .audit import _actor
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from ..server.app import run
-        from ..server.settings import Settings
+        from ..server.settings import load_settings
     except ImportError as err:
         print(
             f"tenantkv serve needs the server extra (pip install 'tenantkv[server]'): {err}",
             file=sys.stderr,
         )
         return 2
-    run(Settings(root=args.root, host=args.host, port=args.port))
+    flags = {"host": args.host, "port": args.port}
+    run(load_settings(root=args.root, **{k: v for k, v in flags.items() if v is not None}))
     return 0
 
 
@@ -140,8 +141,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     """Add ``serve`` and ``token create|list|revoke|recover`` to the CLI's subcommands."""
     serve = commands.add_parser("serve", help="run the admin API (loopback by default)")
     serve.add_argument("root", nargs="?", default=default_root())
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8470)
+    serve.add_argument("--host", default=None, help="default 127.0.0.1 ([server] host)")
+    serve.add_argument("--port", type=int, default=None, help="default 8470 ([server] port)")
     serve.set_defaults(handler=_cmd_serve)
 
     token = commands.add_parser("token", help="make, list and revoke admin API tokens")

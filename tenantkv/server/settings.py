@@ -1,4 +1,5 @@
-"""Settings of the admin service, from ``TENANTKV_*`` environment variables (pydantic-settings).
+"""Settings of the admin service, from the configuration file's ``[server]`` table and
+``TENANTKV_*`` environment variables (pydantic-settings; environment > file > defaults).
 
 Tests build a :class:`Settings` directly and pass it to ``create_app``. The cache's own settings
 (index and block-store URLs, workers, sizes) are a :class:`~tenantkv.config.CacheConfig`,
@@ -7,10 +8,15 @@ embedded through :meth:`Settings.cache_config`.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Any
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..config import CacheConfig, config_for_root, default_root
+from ..config import CacheConfig, check_environment, config_for_root, default_root
+from ..settings_file import CONFIG_ENV, Section, SettingsFile
 
 
 class Settings(BaseSettings):
@@ -50,3 +56,29 @@ class Settings(BaseSettings):
         """The cache this service opens: ``root``, with every other cache setting from the same
         ``TENANTKV_*`` environment the CLI and the library's ``CacheConfig.from_env`` read."""
         return config_for_root(self.root)
+
+
+#: The configuration file's ``[server]`` table. ``root`` is the cache's (``[cache] root``).
+SERVER_SECTION = Section("server", Settings, exclude=frozenset({"root"}))
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """The service's settings: ``overrides`` (command-line flags) > ``TENANTKV_*`` variables >
+    the ``[server]`` table of ``config_file`` (else of the file ``TENANTKV_CONFIG`` names) >
+    defaults. Every file value is checked first (unknown key, type, range), its error naming
+    the file, line and field; an unknown ``TENANTKV_*`` variable is refused."""
+    check_environment(os.environ)
+    path = config_file or os.environ.get(CONFIG_ENV) or None
+    if path is None:
+        return Settings(**overrides)
+    settings_file = SettingsFile.read(path)
+    settings_file.check_sections()
+
+    def build(values: dict[str, Any], environ: Any) -> Settings:
+        kept = {k: v for k, v in values.items() if not environ.get(SERVER_SECTION.env_name(k))}
+        return Settings(**{**kept, **overrides})
+
+    settings: Settings = settings_file.build(
+        dataclasses.replace(SERVER_SECTION, build=build), os.environ
+    )
+    return settings

@@ -16,14 +16,22 @@ Extra config keys:
 * ``load_async``: load between scheduler steps (``True``) instead of layer by layer during the
   forward pass (``False``, the default).
 
+Or one key, ``config_file``: the path of the deployment's configuration file
+(``tenantkv.settings_file``), whose ``[cache]`` table is the cache (``TENANTKV_*`` variables
+override it, as everywhere) and whose ``[vllm]`` table holds the keys above but ``root`` and
+``open_options`` (the table has no environment variables: the connector never read any). The
+other keys are then refused, so that one engine's settings live in one place.
+
 The scheduler and the worker side each build a connector; in one process they share one open
 cache per root (``tenantkv.integrations.engine_cache``), closed when the process exits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +40,7 @@ from ...api import TenantKV
 from ...config import CacheConfig
 from ...errors import InvalidRequestError
 from ...layout import KVLayout
+from ...settings_file import Section, SettingsFile
 from ...tenant_assertion import AssertionVerifier, lifetime_setting
 from ..engine_cache import read_pems
 from ..engine_cache import shared_cache as _shared_cache
@@ -60,6 +69,8 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], default_model: str) -> ConnectorSettings:
+        if "config_file" in extra:
+            return cls.from_config_file(extra, default_model)
         root = extra.get("root")
         if not isinstance(root, str) or not root:
             raise InvalidRequestError("kv_connector_extra_config needs 'root' (the cache root)")
@@ -77,6 +88,45 @@ class ConnectorSettings:
             load_async=bool(extra.get("load_async", False)),
         )
 
+    @classmethod
+    def from_config_file(cls, extra: Mapping[str, Any], default_model: str) -> ConnectorSettings:
+        """Settings from the file ``extra["config_file"]`` names: ``[cache]`` (with the
+        environment over it) and ``[vllm]``."""
+        path = extra["config_file"]
+        others = sorted(set(extra) - {"config_file"})
+        if not isinstance(path, str) or not path:
+            raise InvalidRequestError("config_file must be the path of a configuration file")
+        if others:
+            raise InvalidRequestError(
+                f"kv_connector_extra_config names a config_file: put {', '.join(others)} in "
+                "its [vllm] or [cache] table, not beside it"
+            )
+        settings_file = SettingsFile.read(path)
+        settings_file.check_sections()
+        section: ConnectorSection = settings_file.build(CONNECTOR_SECTION, os.environ)
+        cache = CacheConfig.from_env(config_file=path)
+        defaults = CacheConfig()
+        options = {
+            f.name: getattr(cache, f.name)
+            for f in dataclasses.fields(cache)
+            if f.init
+            and f.name not in ("root", "master_key")
+            and getattr(cache, f.name) != getattr(defaults, f.name)
+        }
+        return cls(
+            root=str(cache.root),
+            open_options=_with_engine_window(options),
+            gateway_public_keys=section.pems,
+            audience=section.audience,
+            max_assertion_lifetime=lifetime_setting(
+                "max_assertion_lifetime", section.max_assertion_lifetime
+            ),
+            require_incarnation=section.require_incarnation,
+            model=section.model or default_model,
+            revision=section.revision,
+            load_async=section.load_async,
+        )
+
     def verifier(self) -> AssertionVerifier:
         return AssertionVerifier.from_pem(
             self.gateway_public_keys,
@@ -84,6 +134,34 @@ class ConnectorSettings:
             max_lifetime=self.max_assertion_lifetime,
             require_incarnation=self.require_incarnation,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorSection:
+    """The configuration file's ``[vllm]`` table (see the module's docstring); checked as it is
+    built, so ``tenantkv config check`` reports a missing key file or a bad lifetime."""
+
+    gateway_public_keys: list[str] = field(default_factory=list)
+    audience: str | None = None
+    max_assertion_lifetime: float | None = None
+    require_incarnation: bool = False
+    model: str | None = None
+    revision: str | None = None
+    load_async: bool = False
+    pems: tuple[bytes, ...] = field(default=(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "pems", read_pems(self.gateway_public_keys))
+        except OSError as err:
+            raise InvalidRequestError(
+                f"gateway_public_keys: cannot read {err.filename}: {err.strerror}"
+            ) from None
+        lifetime_setting("max_assertion_lifetime", self.max_assertion_lifetime)
+
+
+#: The configuration file's ``[vllm]`` table.
+CONNECTOR_SECTION = Section("vllm", ConnectorSection, from_env=False)
 
 
 def _flag(name: str, raw: Any) -> bool:
