@@ -1,5 +1,5 @@
 """The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
-``audit``, ``db``, ``serve`` and ``token``."""
+``audit``, ``db``, ``serve``, ``token`` and ``gateway``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from ..services.opening import holds_cache
 from ..services.tokens import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS
 from .audit import register as register_audit_commands
 from .db import register as register_db_commands
+from .gateway import register as register_gateway_commands
 from .server import register as register_server_commands
 
 
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_audit_commands(commands)
     register_db_commands(commands)
     register_server_commands(commands)
+    register_gateway_commands(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")
