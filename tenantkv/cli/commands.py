@@ -1,5 +1,5 @@
 """The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
-``audit``, ``db``, ``serve``, ``token``, ``key`` and ``config``.
+``audit``, ``db``, ``serve``, ``token``, ``key``, ``config`` and ``gateway``.
 
 Every command takes ``--config FILE`` (or ``TENANTKV_CONFIG``): the configuration file, checked
 whole before the command runs, whose settings the environment overrides and the command's own
@@ -41,6 +41,7 @@ from .config import register as register_config_commands
 from .config import validate_file
 from .db import register as register_db_commands
 from .keys import register as register_key_commands
+from .gateway import register as register_gateway_commands
 from .server import register as register_server_commands
 
 
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_server_commands(commands)
     register_key_commands(commands)
     register_config_commands(commands)
+    register_gateway_commands(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")
