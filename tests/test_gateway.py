@@ -489,32 +489,18 @@ def test_backend_urls_are_validated(urls: list[str]) -> None:
         )
 
 
-def test_cli_gateway_refuses_to_start_without_a_key_service(
-    index: Any, tmp_path: Any, capsys: Any
-) -> None:
+def test_cli_gateway_refuses_a_root_without_a_cache(tmp_path: Any, capsys: Any) -> None:
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
     from tenantkv.cli import main
 
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
-    rc = main(["init", str(tmp_path / "root")])
-    assert rc == 0
     key = tmp_path / "key.pem"
-    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
-
     key.write_bytes(KEY.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
-    rc = main(
-        [
-            "gateway",
-            str(tmp_path / "root"),
-            "--backend",
-            "http://127.0.0.1:1",
-            "--audience",
-            AUD,
-            "--secret-file",
-            str(secret),
-            "--signing-key-file",
-            str(key),
-        ]
-    )
+    args = ["--backend", "http://127.0.0.1:1", "--audience", AUD]
+    args += ["--secret-file", str(secret), "--signing-key-file", str(key)]
+    rc = main(["gateway", str(tmp_path / "mistyped"), *args])
     assert rc == 2
-    assert "no inference-key service is wired" in capsys.readouterr().err
+    assert "no tenantkv cache" in capsys.readouterr().err
+    assert not (tmp_path / "mistyped").exists()

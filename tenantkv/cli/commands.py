@@ -40,8 +40,8 @@ from .audit import register as register_audit_commands
 from .config import register as register_config_commands
 from .config import validate_file
 from .db import register as register_db_commands
-from .keys import register as register_key_commands
 from .gateway import register as register_gateway_commands
+from .keys import register as register_key_commands
 from .server import register as register_server_commands
 
 

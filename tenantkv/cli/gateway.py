@@ -2,8 +2,8 @@
 
 :func:`serve_gateway` takes the options and an authenticator factory (the cache opened at the
 root in, a :class:`~tenantkv.gateway.KeyAuthenticator` out), so that the key source is one
-argument. The command registers :func:`_authenticator`, which refuses to start until inference
-keys are wired in: a gateway that cannot check keys must not serve.
+argument. The command uses the cache's inference keys (:func:`_authenticator`); tests and
+embedders may pass another source.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ if TYPE_CHECKING:  # the gateway needs its extra (fastapi, httpx, xxhash) only w
 AuthenticatorFactory = Callable[[TenantKV], "KeyAuthenticator"]
 
 
-class GatewayNotWiredError(TenantKVError):
-    """The gateway has no source of inference keys to authenticate callers with."""
-
-
 @dataclass(frozen=True)
 class GatewayOptions:
     """What ``tenantkv gateway`` was given on its command line."""
@@ -43,11 +39,10 @@ class GatewayOptions:
 
 
 def _authenticator(kv: TenantKV) -> KeyAuthenticator:
-    """The inference-key authenticator of the cache at ``kv``: not available yet."""
-    raise GatewayNotWiredError(
-        "tenantkv gateway: no inference-key service is wired in this build; the gateway will "
-        "not serve without a way to check keys"
-    )
+    """The cache's inference keys (``kv.inference_keys``): a key authenticates as the (tenant,
+    scope) and tenant incarnation it was minted for, until it is revoked, expires or its
+    tenant is deleted."""
+    return kv.inference_keys
 
 
 def _read_secret(path: Path) -> bytes:

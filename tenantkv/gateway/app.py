@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, TenantKVError
 from ..integrations.engine_identity import ASSERTION_PARAM
 from ..tenant_assertion import AssertionSigner
 from .headers import clean_value, forwarded_headers
@@ -132,7 +132,10 @@ class Gateway:
         key = bearer_key(request)
         if key is None:
             raise Refusal(401, "invalid_api_key", "an Authorization: Bearer <key> is required")
-        identity = await run_in_threadpool(self.authenticator.authenticate, key)
+        try:
+            identity = await run_in_threadpool(self.authenticator.authenticate, key)
+        except TenantKVError:  # the key service could not answer: neither a 401 nor a 500
+            raise Refusal(503, "unavailable", "keys cannot be checked now; retry") from None
         if identity is None:
             raise Refusal(401, "invalid_api_key", "unknown, revoked or expired key")
         return identity
