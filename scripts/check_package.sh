@@ -38,7 +38,7 @@ PYTHON=${PYTHON:-python3}
 TORCH_PIN="torch==2.13.0"
 WORK="$REPO/build/pkgcheck"
 PG_CONNINFO=${TENANTKV_PKGCHECK_POSTGRES:-postgresql://postgres@127.0.0.1:5432/test}
-EXTRAS="server hf postgres metrics redis"
+EXTRAS="server hf postgres metrics redis gateway"
 # top-level modules each extra brings: when checking one install, the other extras' are allowed
 # to be missing (and only those)
 declare -A EXTRA_MODULES=(
@@ -47,6 +47,7 @@ declare -A EXTRA_MODULES=(
     [postgres]="psycopg"
     [metrics]="prometheus_client"
     [redis]="redis hiredis"
+    [gateway]="fastapi starlette uvicorn httpx xxhash"
 )
 # The extras `vllm` and `sglang` are not installed here: vLLM is ~3.5 GB with a torch build of its
 # own (it would replace the pinned torch), and SGLang's full dependency set pulls CUDA kernels.
@@ -227,6 +228,54 @@ with tenantkv.open(sys.argv[1]) as kv:
     print(f"create_app on an opened cache: GET /healthz -> {status} {json.loads(body)}")
 EOF
         checked+=("server alone: imports, create_app, GET /healthz, uvicorn")
+        ;;
+    gateway)
+        in_scratch "$venv/bin/python" - <<'EOF' || fail "gateway: create_gateway_app"
+import asyncio
+
+import uvicorn  # noqa: F401  (what `tenantkv gateway` runs the app with)
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from tenantkv.gateway import GatewaySettings, create_gateway_app
+from tenantkv.tenant_assertion import AssertionSigner
+
+
+class NoKeys:
+    def authenticate(self, secret):
+        return None
+
+
+async def get(app, path):
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "headers": [(b"host", b"localhost")],
+        "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    return sent[0]["status"]
+
+
+app = create_gateway_app(
+    NoKeys(),
+    AssertionSigner(Ed25519PrivateKey.generate()),
+    secret=b"s" * 32,
+    backends=["http://127.0.0.1:9"],
+    settings=GatewaySettings(audience="pkgcheck"),
+)
+status = asyncio.run(get(app, "/healthz"))
+assert status == 200, status
+print("create_gateway_app: GET /healthz ->", status)
+EOF
+        checked+=("gateway: imports, create_gateway_app answers /healthz")
         ;;
     hf)
         logged "$LOGS/demo.log" in_scratch "$venv/bin/tenantkv" demo --fast
