@@ -225,9 +225,17 @@ def _statements(kv: TenantKV) -> tuple[list[str], Any]:
         if statement.lstrip().upper().startswith("SELECT"):
             seen.append(statement)
 
-    engine = kv.context.index.engine
-    event.listen(engine, "before_cursor_execute", record)
-    return seen, lambda: event.remove(engine, "before_cursor_execute", record)
+    # Serving calls go through their own engine on PostgreSQL (a shorter bound): watch both.
+    index = kv.context.index
+    engines = {id(engine): engine for engine in (index.engine, index.serving_engine)}.values()
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", record)
+
+    def stop() -> None:
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", record)
+
+    return seen, stop
 
 
 @pytest.mark.usefixtures("index")
