@@ -489,7 +489,7 @@ def test_backend_urls_are_validated(urls: list[str]) -> None:
         )
 
 
-def test_cli_gateway_refuses_a_root_without_a_cache(tmp_path: Any, capsys: Any) -> None:
+def test_cli_gateway_refuses_a_root_without_a_cache(index: Any, tmp_path: Any, capsys: Any) -> None:
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
     from tenantkv.cli import main
