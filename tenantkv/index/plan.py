@@ -18,7 +18,8 @@ blocks lie in a few extents, and repeating each extent's columns on every block 
 twice the time (0.50 against 0.25 ms for 128 blocks, plus ~0.05 ms for the extents). An extent
 and its data key are read in one statement; a block whose extent that statement no longer finds
 (removed in between, on PostgreSQL's per-statement snapshots) is a miss. The record of use is a
-prebuilt Core statement too.
+prebuilt Core statement too, after one that locks its extent rows in id order on PostgreSQL
+(:func:`record_use`).
 
 What it returns for each requested block that is indexed in the namespace and whose extent has
 not expired: where the block lies (extent, slot) and what opening its extent needs (key version,
@@ -39,12 +40,15 @@ from sqlalchemy import (
     Float,
     Integer,
     Select,
+    String,
     Update,
     and_,
+    any_,
     bindparam,
     select,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import aliased
 
 from ..retention import loads as loads_retention
@@ -314,17 +318,35 @@ _RETENTION = (
     select(Tenant.retention).where(Tenant.id == bindparam("tenant_id")).with_for_update(read=True)
 )
 
+# The extent rows a record of use will update, locked in id order before any of them is
+# updated: FOR NO KEY UPDATE is the lock the UPDATEs take themselves (so it conflicts with
+# nothing they did not), and PostgreSQL locks the rows in the order the ORDER BY returns them.
+# The ids are one array parameter: a batch's extents, of every time of use together, may be
+# more than one statement may bind one by one. PostgreSQL only (see record_use).
+_LOCK_EXTENTS = (
+    select(Extent.id)
+    .where(Extent.id == any_(bindparam("ids", type_=postgresql.ARRAY(String()))))
+    .order_by(Extent.id)
+    .with_for_update(key_share=True)
+)
+
 
 @functools.cache
 def _touch(classes: int) -> Update:
     """The record-of-use statement for a tenant with ``classes`` retention classes (at most
     ``retention.MAX_RETENTION_CLASSES``, so few are ever built): one UPDATE whatever the
-    number of classes, each extent's expiry taken from its own class."""
+    number of classes, each extent's expiry taken from its own class. An extent whose recorded
+    use is already later is left alone: records of use from several nodes commit in any order,
+    and an older one must not move its LRU time and expiry back."""
     kinds, ttl = retention_by_class(classes)
     used_at = bindparam("used_at", type_=Float())
     return (
         update(Extent)
-        .where(Extent.id.in_(bindparam("ids", expanding=True)), Extent.kind.in_(kinds))
+        .where(
+            Extent.id.in_(bindparam("ids", expanding=True)),
+            Extent.kind.in_(kinds),
+            Extent.last_used_at <= used_at,
+        )
         .values(last_used_at=used_at, expires_at=used_at + ttl)
     )
 
@@ -333,17 +355,34 @@ def record_use(
     connection: Connection, tenant_id: bytes, uses: Mapping[float, Collection[str]]
 ) -> dict[str, float]:
     """Mark a tenant's extents as used: ``uses`` maps a time to the extents used then. Each
-    one's retention (by its class) restarts and LRU eviction sees the use. Runs after loads, in
-    the background -- but on 2 cores it competes for the interpreter with the next load's first
-    layer, hence Core statements: one to read the retention, then one UPDATE per time however
-    many classes the tenant has. Returns the tenant's retention classes (none if it was
-    deleted), for block stores that expire extents themselves."""
+    one's retention (by its class) restarts and LRU eviction sees the use (never moved back by
+    an older record, see :func:`_touch`). Runs after loads, in the background -- but on 2 cores
+    it competes for the interpreter with the next load's first layer, hence Core statements:
+    one to read the retention, then one UPDATE per time however many classes the tenant has.
+    Returns the tenant's retention classes (none if it was deleted), for block stores that
+    expire extents themselves.
+
+    On PostgreSQL one statement first locks every extent row the UPDATEs will touch, in id
+    order. Records of use of one tenant run side by side (several nodes, each one's batch: the
+    tenant's row is only shared-locked), and an UPDATE per time locked the rows of each time
+    in turn, so two batches holding the same extents at different times locked them in
+    different orders and deadlocked, losing one batch. A single UPDATE from a list of ``(id,
+    time)`` values would save this round trip but not fix it: a statement's plan, not the
+    list, decides the order in which it locks rows; so one ordered lock per batch, which the
+    UPDATEs then need not wait for again, is the cheapest fix. The lock comes after the
+    tenant's row, as in every transaction that changes extents (quota.lock_tenants), so it
+    adds no new order. SQLite runs one write transaction at a time and has no row locks: it
+    skips the statement."""
     retention_text = connection.execute(_RETENTION, {"tenant_id": tenant_id}).scalar()
     if retention_text is None:
         return {}  # the tenant was deleted meanwhile
     classes = loads_retention(retention_text)
     if not classes:
         return classes
+    if connection.dialect.name == "postgresql":
+        ids = sorted({extent_id for extent_ids in uses.values() for extent_id in extent_ids})
+        if ids:
+            connection.execute(_LOCK_EXTENTS, {"ids": ids}).all()
     for used_at, extent_ids in uses.items():
         if extent_ids:
             connection.execute(
