@@ -43,6 +43,7 @@ SECTIONS: dict[str, str] = {
     "cache": "tenantkv.config:CACHE_SECTION",
     "server": "tenantkv.server.settings:SERVER_SECTION",
     "vllm": "tenantkv.integrations.vllm.settings:CONNECTOR_SECTION",
+    "gateway": "tenantkv.gateway.config_section:GATEWAY_SECTION",
 }
 
 #: Field names whose whole value is a secret (shown as ``***``).
@@ -405,14 +406,15 @@ def url_problem(key: str, value: Any) -> str | None:
 
 def mask(name: str, value: Any) -> Any:
     """``value`` fit to be shown: a secret field's whole value, and a URL's password or secret
-    query parameter, replaced by ``***``."""
+    query parameter, replaced by ``***``. A ``*_file`` field (``secret_file``) holds the path
+    of a secret, not the secret: shown, so an operator can see which file is used."""
     if isinstance(value, list | tuple):
         return [mask(name, v) for v in value]
     if isinstance(value, dict):
         return {k: mask(k, v) for k, v in value.items()}
     if value is None or value == "":
         return value
-    if _SECRET_NAME.search(name):
+    if _SECRET_NAME.search(name) and not name.endswith("_file"):  # a path is not the secret
         return MASK
     if isinstance(value, str) and "://" in value:
         return ",".join(_mask_url(part) for part in value.split(","))

@@ -1,5 +1,9 @@
 """``tenantkv gateway``: serve the OpenAI-compatible tenant gateway (docs/gateway.md).
 
+Its settings come from its flags, else the configuration file's ``[gateway]`` table
+(``tenantkv.gateway.config_section``; ``--config FILE`` or ``TENANTKV_CONFIG``), else defaults:
+:func:`gateway_options`.
+
 :func:`serve_gateway` takes the options and an authenticator factory (the cache opened at the
 root in, a :class:`~tenantkv.gateway.KeyAuthenticator` out), so that the key source is one
 argument. The command uses the cache's inference keys (:func:`_authenticator`); tests and
@@ -87,26 +91,52 @@ def serve_gateway(options: GatewayOptions, authenticator_factory: AuthenticatorF
     return 0
 
 
+def gateway_options(root: str, config_file: str | None = None, **flags: Any) -> GatewayOptions:
+    """The options ``tenantkv gateway`` serves: its flags (those not None) > the ``[gateway]``
+    table of the configuration file (``config_file``, else the one ``TENANTKV_CONFIG``
+    names) > defaults. An InvalidRequestError (a ConfigFileError naming the file, line and
+    field) for a bad value, or for an audience, backend or secret file given nowhere."""
+    from ..gateway.config_section import load_gateway_table
+
+    table = load_gateway_table(config_file, **flags)
+    missing = table.missing()
+    if missing:
+        raise InvalidRequestError(
+            "no "
+            + ", no ".join(missing)
+            + ": give "
+            + ", ".join("--" + name.removesuffix("s").replace("_", "-") for name in missing)
+            + " or set them in the [gateway] table of the configuration file"
+        )
+    assert table.audience and table.secret_file and table.signing_key_file, "missing() said none"
+    return GatewayOptions(
+        root=root,
+        backends=tuple(table.backends),
+        secret_file=Path(table.secret_file),
+        signing_key_file=Path(table.signing_key_file),
+        settings=table.settings(),
+        host=table.host,
+        port=table.port,
+    )
+
+
 def _cmd_gateway(args: argparse.Namespace) -> int:
     try:
-        from ..gateway import GatewaySettings
-
-        settings = GatewaySettings(audience=args.audience)
+        options = gateway_options(
+            args.root,
+            audience=args.audience,
+            backends=args.backend,
+            host=args.host,
+            port=args.port,
+            secret_file=args.secret_file,
+            signing_key_file=args.signing_key_file,
+        )
     except ImportError as err:
         print(f"tenantkv gateway needs the gateway extra: {err}", file=sys.stderr)
         return 2
     except InvalidRequestError as err:
         print(f"tenantkv gateway: {err}", file=sys.stderr)
         return 2
-    options = GatewayOptions(
-        root=args.root,
-        backends=tuple(args.backend),
-        secret_file=Path(args.secret_file),
-        signing_key_file=Path(args.signing_key_file),
-        settings=settings,
-        host=args.host,
-        port=args.port,
-    )
     return serve_gateway(options, _authenticator)
 
 
@@ -117,15 +147,24 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     gateway.add_argument("root", nargs="?", default=default_root())
     gateway.add_argument(
-        "--backend", action="append", required=True, help="a vllm serve base URL (repeatable)"
+        "--backend",
+        action="append",
+        default=None,
+        help="a vllm serve base URL (repeatable; replaces [gateway] backends)",
     )
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=8480)
-    gateway.add_argument("--audience", required=True, help="the deployment the nodes verify")
+    gateway.add_argument("--host", default=None, help="default 127.0.0.1 ([gateway] host)")
+    gateway.add_argument("--port", type=int, default=None, help="default 8480 ([gateway] port)")
     gateway.add_argument(
-        "--secret-file", required=True, help="file holding the gateway secret (>= 32 bytes)"
+        "--audience", default=None, help="the deployment the nodes verify ([gateway] audience)"
     )
     gateway.add_argument(
-        "--signing-key-file", required=True, help="PEM Ed25519 private key of the gateway"
+        "--secret-file",
+        default=None,
+        help="file holding the gateway secret, >= 32 bytes ([gateway] secret_file)",
+    )
+    gateway.add_argument(
+        "--signing-key-file",
+        default=None,
+        help="PEM Ed25519 private key of the gateway ([gateway] signing_key_file)",
     )
     gateway.set_defaults(handler=_cmd_gateway)
