@@ -1,24 +1,33 @@
 """tenantkv gateway overhead: the latency it adds per request and its throughput, against a
 stub OpenAI backend on loopback.
 
-Three processes: a stub backend (uvicorn; instant JSON answers and a 3-event SSE stream), the
-gateway in front of it, and this client. Each rep measures, round-robin in the same run:
-- ``direct`` and ``gateway`` p50 latency of sequential non-streamed completions (the ratio is
-  the gateway's added cost; the target is <= 2 ms added at p50);
-- ``direct`` and ``gateway`` time to the first streamed byte (target <= 1 ms added);
-- requests per second through the gateway with ``--clients`` concurrent clients (target >=
-  1,000 req/s on 2 cores), and the same directly as the baseline.
-All three processes share the machine's cores, so the throughput counts the client's load too.
+Processes: a stub backend (uvicorn, a bare Starlette app: pre-encoded JSON answers and a
+3-event SSE stream), the gateway in front of it (uvicorn as ``tenantkv gateway`` runs it), and
+the load generator (this script, plus ``--load-procs`` children for the throughput runs). Each
+rep measures, round-robin in the same run:
+- ``direct`` and ``gateway`` p50 latency of sequential non-streamed completions on one
+  keep-alive connection (the difference is the gateway's added cost; target <= 2 ms at p50);
+- ``direct`` and ``gateway`` time to the first byte of a streamed answer's body (target <= 1 ms
+  added);
+- requests per second with ``--clients`` concurrent keep-alive connections through the gateway
+  (target >= 1,000 req/s on 2 cores), and the same directly as the baseline.
+The load generator speaks HTTP/1.1 over asyncio streams with a pre-encoded request, so that the
+client costs a few tens of microseconds per request: a general-purpose client (httpx's async
+pool is quadratic in its connections) would measure itself rather than the servers. All the
+processes share the machine's cores, so the throughput counts the client's load too; the load
+average before and after the run is printed with the results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,40 +35,50 @@ import httpx
 from _cli import bench_parser, write_outputs
 from _common import format_stats_table, print_machine
 from _plots import median_bars, pyplot, save_figure
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = {"model": "m", "prompt": "You are a helpful assistant. " * 8 + "Hello", "max_tokens": 4}
+KEY = "bench-key"
 
 
 def stub_app() -> Any:
-    app = FastAPI()
-    answer = {
-        "id": "r",
-        "object": "text_completion",
-        "choices": [{"index": 0, "text": "hi"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-    }
+    """A backend that costs as little as a Python server can: the answer is encoded once."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        body = json.loads(await request.body())
-        if body.get("stream"):
+    answer = json.dumps(
+        {
+            "id": "r",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "hi"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        }
+    ).encode()
+    events = [f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode() for i in range(3)]
+    events.append(b"data: [DONE]\n\n")
 
-            async def events() -> Any:
-                for i in range(3):
-                    yield f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
-                yield b"data: [DONE]\n\n"
+    async def completions(request: Request) -> Response:
+        if json.loads(await request.body()).get("stream"):
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        return answer
+            async def stream() -> Any:
+                for event in events:
+                    yield event
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {}
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        return Response(answer, media_type="application/json")
 
-    return app
+    async def health(_: Request) -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health),
+            Route("/healthz", health),
+        ]
+    )
 
 
 def gateway_app(backend: str) -> Any:
@@ -72,7 +91,7 @@ def gateway_app(backend: str) -> Any:
 
     class Keys:
         def authenticate(self, secret: str) -> GatewayIdentity | None:
-            return identity if secret == "bench-key" else None
+            return identity if secret == KEY else None
 
     return create_gateway_app(
         Keys(),
@@ -84,6 +103,7 @@ def gateway_app(backend: str) -> Any:
 
 
 def serve(kind: str, port: int, backend: str) -> None:
+    """Serve like ``tenantkv gateway`` does (uvicorn picks httptools and uvloop if installed)."""
     import uvicorn
 
     app = stub_app() if kind == "stub" else gateway_app(backend)
@@ -97,12 +117,7 @@ def start(kind: str, port: int, backend: str = "") -> subprocess.Popen[bytes]:
     deadline = time.monotonic() + 30
     while True:
         try:
-            httpx.get(
-                f"http://127.0.0.1:{port}/healthz"
-                if kind == "gateway"
-                else f"http://127.0.0.1:{port}/health",
-                timeout=1,
-            )
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
             return proc
         except httpx.HTTPError:
             if time.monotonic() > deadline:
@@ -111,48 +126,114 @@ def start(kind: str, port: int, backend: str = "") -> subprocess.Popen[bytes]:
             time.sleep(0.1)
 
 
-HEADERS = {"Authorization": "Bearer bench-key"}
+# ------------------------------------------------------------------ the load generator
 
 
-def latency_ms(client: httpx.Client, url: str, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        client.post(url + "/v1/completions", json=BODY, headers=HEADERS).raise_for_status()
-        times.append(time.perf_counter() - t)
+def request_bytes(port: int, *, stream: bool) -> bytes:
+    body = json.dumps({**BODY, "stream": True} if stream else BODY).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int | None, bool]:
+    """The answer's Content-Length (None when chunked) after checking it is a 200."""
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"answer {status!r}")
+    length, chunked = None, False
+    while (line := await reader.readline()) != b"\r\n":
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    if length is None and not chunked:
+        raise RuntimeError("an answer of unknown length")
+    return length, chunked
+
+
+async def read_chunk(reader: asyncio.StreamReader) -> int:
+    """One chunk of a chunked body; its size (0 for the last)."""
+    size = int((await reader.readline()).split(b";")[0], 16)
+    await reader.readexactly(size + 2)
+    if size == 0:
+        return 0
+    return size
+
+
+async def exchange(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    request: bytes,
+) -> float:
+    """Send one request; read the whole answer; the seconds to the first byte of its body."""
+    t = time.perf_counter()
+    writer.write(request)
+    length, chunked = await read_head(reader)
+    if chunked:
+        await read_chunk(reader)
+        first = time.perf_counter() - t
+        while await read_chunk(reader):
+            pass
+    else:
+        await reader.readexactly(length or 0)
+        first = time.perf_counter() - t
+    return first
+
+
+async def sequential_ms(port: int, n: int, *, stream: bool) -> float:
+    """p50 ms of ``n`` sequential requests on one keep-alive connection: the whole answer when
+    not streamed, the first byte of the body when streamed."""
+    request = request_bytes(port, stream=stream)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            first = await exchange(reader, writer, request)
+            times.append(first if stream else time.perf_counter() - t)
+    finally:
+        writer.close()
     return statistics.median(times) * 1e3
 
 
-def first_byte_ms(client: httpx.Client, url: str, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        with client.stream(
-            "POST", url + "/v1/completions", json={**BODY, "stream": True}, headers=HEADERS
-        ) as answer:
-            chunks = answer.iter_raw()
-            next(chunks)
-            times.append(time.perf_counter() - t)
-            for _chunk in chunks:
-                pass
-    return statistics.median(times) * 1e3
+async def _load(port: int, clients: int, total: int) -> tuple[int, float]:
+    request = request_bytes(port, stream=False)
+    left = total
 
-
-async def throughput(url: str, clients: int, total: int) -> float:
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
-        left = total
-
-        async def worker() -> None:
-            nonlocal left
+    async def worker() -> int:
+        nonlocal left
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        done = 0
+        try:
             while left > 0:
                 left -= 1
-                answer = await client.post(url + "/v1/completions", json=BODY, headers=HEADERS)
-                answer.raise_for_status()
+                await exchange(reader, writer, request)
+                done += 1
+        finally:
+            writer.close()
+        return done
 
-        t = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        return total / (time.perf_counter() - t)
+    t = time.perf_counter()
+    done = sum(await asyncio.gather(*(worker() for _ in range(clients))))
+    return done, time.perf_counter() - t
+
+
+def load_process(port: int, clients: int, total: int) -> tuple[int, float]:
+    return asyncio.run(_load(port, clients, total))
+
+
+def throughput(pool: ProcessPoolExecutor, procs: int, port: int, clients: int, total: int) -> float:
+    """Requests per second of ``clients`` connections spread over ``procs`` processes."""
+    shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+    jobs = [pool.submit(load_process, port, c, total * c // clients) for c in shares if c]
+    results = [job.result() for job in jobs]
+    return sum(done for done, _ in results) / max(seconds for _, seconds in results)
 
 
 def main() -> None:
@@ -160,35 +241,40 @@ def main() -> None:
         serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     parser = bench_parser(__doc__, reps=3, data_dir=False)
-    parser.add_argument("--requests", type=int, default=200, help="sequential requests per rep")
-    parser.add_argument("--clients", type=int, default=100, help="concurrent clients")
-    parser.add_argument("--total", type=int, default=2000, help="requests per throughput rep")
+    parser.add_argument("--requests", type=int, default=500, help="sequential requests per rep")
+    parser.add_argument("--clients", type=int, default=100, help="concurrent connections")
+    parser.add_argument("--total", type=int, default=5000, help="requests per throughput rep")
+    parser.add_argument("--load-procs", type=int, default=1, help="load generator processes")
     parser.add_argument("--port", type=int, default=18470, help="first of two loopback ports")
     args = parser.parse_args()
-    machine = print_machine(".")
-    stub_url, gw_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
-    procs = [start("stub", args.port)]
-    procs.append(start("gateway", args.port + 1, stub_url))
+    machine = print_machine(".", load_before=" ".join(f"{x:.2f}" for x in os.getloadavg()))
+    stub_port, gw_port = args.port, args.port + 1
+    procs = [start("stub", stub_port)]
+    procs.append(start("gateway", gw_port, f"http://127.0.0.1:{stub_port}"))
     samples: dict[str, list[float]] = {}
+    targets = (("direct", stub_port), ("gateway", gw_port))
     try:
-        with httpx.Client(timeout=30) as client:
-            for url in (stub_url, gw_url):  # warm both paths
-                latency_ms(client, url, 20)
+        with ProcessPoolExecutor(args.load_procs) as pool:
+            for _, port in targets:  # warm both paths and the pool's processes
+                asyncio.run(sequential_ms(port, 50, stream=False))
+                throughput(pool, args.load_procs, port, args.clients, args.clients * 2)
             for _ in range(args.reps):
-                for name, url in (("direct", stub_url), ("gateway", gw_url)):
+                for name, port in targets:
                     samples.setdefault(f"p50 latency, {name}", []).append(
-                        latency_ms(client, url, args.requests)
+                        asyncio.run(sequential_ms(port, args.requests, stream=False))
                     )
                     samples.setdefault(f"first byte, {name}", []).append(
-                        first_byte_ms(client, url, args.requests)
+                        asyncio.run(sequential_ms(port, args.requests, stream=True))
                     )
                     samples.setdefault(f"req/s x{args.clients}, {name}", []).append(
-                        asyncio.run(throughput(url, args.clients, args.total))
+                        throughput(pool, args.load_procs, port, args.clients, args.total)
                     )
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(10)
+    machine["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average before {machine['load_before']}, after {machine['load_after']}")
     added = {
         "p50 added ms": [
             g - d

@@ -10,5 +10,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev,server,hf,postgres,metrics,redis]"
+.venv/bin/python -m pip install --quiet -e ".[dev,server,gateway,hf,postgres,metrics,redis]"
 .venv/bin/python -c "import tenantkv, torch; print('tenantkv', tenantkv.__version__, 'torch', torch.__version__)"

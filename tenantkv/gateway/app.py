@@ -46,6 +46,7 @@ from .routing import Router
 from .scrub import scrub
 from .settings import GatewaySettings, check_backends, check_secret
 from .streaming import EventStream
+from .upstream import SplitPoolTransport
 
 logger = logging.getLogger("tenantkv")
 
@@ -105,6 +106,9 @@ class Gateway:
         self.router = Router(check_backends(list(backends)), cooldown=settings.backend_cooldown)
         self.limits = KeyLimiter(settings.max_concurrency_per_key)
         self._client: httpx.AsyncClient | None = None
+        # backend URL + route -> parsed once (parsing a URL is a tenth of httpx's cost per
+        # request); bounded by the backends times the few routes
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -112,10 +116,7 @@ class Gateway:
             s = self.settings
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(s.upstream_timeout, connect=s.connect_timeout),
-                limits=httpx.Limits(
-                    max_connections=s.max_connections,
-                    max_keepalive_connections=s.max_connections,
-                ),
+                transport=SplitPoolTransport(s.max_connections),  # keep-alive, see upstream.py
                 trust_env=False,  # no proxy or credentials taken from the environment
                 follow_redirects=False,
             )
@@ -184,9 +185,10 @@ class Gateway:
     ) -> httpx.Response:
         """The first backend in rank that accepts the connection, its response streaming."""
         for url in self.router.rank(digest):
-            upstream = self.client.build_request(
-                method, url + path, headers=headers, content=content
-            )
+            target = self._urls.get((url, path))
+            if target is None:
+                target = self._urls[url, path] = httpx.URL(url + path)
+            upstream = self.client.build_request(method, target, headers=headers, content=content)
             try:
                 response = await self.client.send(upstream, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout):
@@ -222,12 +224,15 @@ class Gateway:
             raise Refusal(502, "upstream_error", "the backend failed") from None
         finally:
             await response.aclose()
+        raw = b"".join(chunks)
         try:
-            data = json.loads(b"".join(chunks))
+            data = json.loads(raw)
         except (ValueError, RecursionError):
             raise Refusal(502, "upstream_error", "the backend's answer is not JSON") from None
-        scrub(data)
-        return JSONResponse(data, status_code=response.status_code)
+        if scrub(data):
+            return JSONResponse(data, status_code=response.status_code)
+        # nothing removed: the upstream's own bytes, not a second encoding of the same JSON
+        return Response(raw, status_code=response.status_code, media_type="application/json")
 
     async def proxy(self, request: Request, path: str) -> Response:
         identity = await self.identify(request)
@@ -319,7 +324,9 @@ def create_gateway_app(
         async def route(request: Request, _path: str = path) -> Response:
             return await gateway.proxy(request, _path)
 
-        app.add_api_route(path, route, methods=["POST"], include_in_schema=False)
+        # a plain Starlette route: the handler reads the request itself, so FastAPI's
+        # parameter and dependency machinery would only cost time on every request
+        app.router.add_route(path, route, methods=["POST"], include_in_schema=False)
 
     @app.get("/v1/models", include_in_schema=False)
     async def models(request: Request) -> Response:

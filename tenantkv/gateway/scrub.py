@@ -15,6 +15,7 @@ here.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Final
 
 #: Substrings of normalised key names that mark an identity-bearing field.
@@ -25,12 +26,26 @@ def _normalised(key: str) -> str:
     return "".join(ch for ch in key.lower() if ch.isalnum())
 
 
+#: Key names up to this length have their answer remembered (longer ones are computed).
+_CACHED_KEY_CHARS: Final = 64
+
+
+def _bearing(key: str) -> bool:
+    name = _normalised(key)
+    return any(marker in name for marker in MARKERS)
+
+
+#: Bodies repeat the same few names (``model``, ``messages``, ``choices``...) on every request,
+#: so their answers are remembered; a client sending new names each time only churns a cache
+#: bounded in entries and, through ``_CACHED_KEY_CHARS``, in memory.
+_bearing_cached = functools.lru_cache(maxsize=4096)(_bearing)
+
+
 def identity_bearing(key: object) -> bool:
     """Whether a JSON object key names an identity-bearing field (see the module)."""
     if not isinstance(key, str):
         return False
-    name = _normalised(key)
-    return any(marker in name for marker in MARKERS)
+    return _bearing_cached(key) if len(key) <= _CACHED_KEY_CHARS else _bearing(key)
 
 
 def scrub(value: Any) -> int:
