@@ -151,13 +151,13 @@ import importlib.util, sys
 present = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is not None]
 assert not present, f"the bare install has extras modules: {present}"
 ' ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} \
-    ${EXTRA_MODULES[metrics]} ${EXTRA_MODULES[redis]} || fail "base venv is not bare"
+    ${EXTRA_MODULES[metrics]} ${EXTRA_MODULES[redis]} ${EXTRA_MODULES[gateway]} || fail "base venv is not bare"
 in_scratch "$venv/bin/python" "$REPO/scripts/readme_use_example.py" "$SCRATCH/base-cache" ||
     fail "base: the README's Use example"
 # shellcheck disable=SC2086
 in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_imports.py" \
     ${EXTRA_MODULES[server]} ${EXTRA_MODULES[hf]} ${EXTRA_MODULES[postgres]} \
-    ${EXTRA_MODULES[metrics]} ${EXTRA_MODULES[redis]} $UNCHECKED_EXTRA_MODULES ||
+    ${EXTRA_MODULES[metrics]} ${EXTRA_MODULES[redis]} ${EXTRA_MODULES[gateway]} $UNCHECKED_EXTRA_MODULES ||
     fail "base: a module does not import"
 in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/base-metrics" absent ||
     fail "base: a cache without prometheus_client"

@@ -33,7 +33,7 @@ from .datapath.staging import RingStats
 from .errors import CacheUnavailableError, InvalidRequestError
 from .index import stats
 from .index.database import Database
-from .index.failures import describe, typed_failures, unavailable
+from .index.failures import describe, shown_url, typed_failures, unavailable
 from .layout import KVLayout
 from .private_files import private_dir
 from .security_events import SecurityEvent
@@ -82,9 +82,7 @@ class TenantKV:
             if isinstance(err, SQLAlchemyError):  # unreachable, timed out, refused
                 # The operator's own URL (password hidden), without the driver's name: the
                 # CLI prints this as its one sentence.
-                engine_url = context.index.engine.url
-                bare = engine_url.set(drivername=engine_url.get_backend_name())
-                url = bare.render_as_string(hide_password=True)
+                url = shown_url(context.index.engine.url)
                 raise CacheUnavailableError(
                     f"opening the index at {url} failed: {describe(err)}"
                 ) from err

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
+from sqlalchemy import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..errors import CacheUnavailableError
@@ -36,6 +37,15 @@ def describe(err: BaseException) -> str:
     cause = getattr(err, "orig", None) or err
     first = str(cause).strip().splitlines()
     return first[0] if first else type(cause).__name__
+
+
+def shown_url(url: str | URL) -> str:
+    """An index URL as messages show it: the operator's own, password hidden, without the
+    driver's name (``postgresql://``, not ``postgresql+psycopg://``): the CLI prints it in its
+    one sentence, which names no driver."""
+    parsed = make_url(url)
+    bare = parsed.set(drivername=parsed.get_backend_name())
+    return bare.render_as_string(hide_password=True)
 
 
 def unavailable(operation: str, err: BaseException) -> CacheUnavailableError:

@@ -20,6 +20,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from ..config import CacheConfig
 from ..errors import CacheNotFoundError, CacheUnavailableError
+from ..index.failures import describe, shown_url
 from .schema_upgrade import current_state
 
 logger = logging.getLogger("tenantkv")
@@ -36,8 +37,8 @@ def holds_cache(config: CacheConfig) -> bool:
     try:
         state = current_state(config)
     except OperationalError as err:
-        url = make_url(config.index_url).render_as_string(hide_password=True)
-        raise CacheUnavailableError(f"opening the index at {url} failed: {err.orig}") from err
+        url = shown_url(config.index_url)
+        raise CacheUnavailableError(f"opening the index at {url} failed: {describe(err)}") from err
     return state is not None and not state.fresh
 
 
@@ -46,7 +47,7 @@ def not_found(config: CacheConfig) -> CacheNotFoundError:
     database URL given apart from it) and the command that creates a cache there."""
     where = str(config.root)
     if config.database_url is not None:
-        url = make_url(config.database_url).render_as_string(hide_password=True)
+        url = shown_url(config.database_url)
         where = f"{where} (index {url})"
     return CacheNotFoundError(
         f"no tenantkv cache at {where}; check the path, or run `tenantkv init {config.root}` "
