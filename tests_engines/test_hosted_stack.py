@@ -1,0 +1,445 @@
+"""The hosted stack end to end on CPU: the official ``openai`` client calls ``tenantkv gateway``
+(built from the deployment's configuration file by ``build_gateway``, with the cache's real
+inference keys, served by uvicorn on 127.0.0.1) in front of a real ``vllm serve`` of the CPU
+build (a child process on 127.0.0.1, started with the documented recipe of docs/gateway.md:
+the tenantkv connector by ``--kv-transfer-config`` naming the same file). The model is a tiny
+random Llama and a byte-level tokenizer written at test time; nothing is downloaded.
+
+vLLM's own prefix cache is ON, as the recipe says to run it: then the gateway's ``cache_salt``
+is what keeps one tenant off another's blocks in vLLM's cache, and a client-chosen salt is a
+real attack. Where a test must show that a hit came from tenantkv and not from vLLM's cache, it
+empties vLLM's cache first through vLLM's own ``POST /reset_prefix_cache`` (dev mode, on the
+backend directly, which only the test reaches); after that a cached token can only have been
+loaded by the connector. ``usage.prompt_tokens_details.cached_tokens`` (the recipe's
+``--enable-prompt-tokens-details``) is how the client sees a hit, streamed or not.
+
+Each refusal has its positive control: the owner's repeated prompt hits (with the greedy tokens
+and log-probabilities of the uncached run), and each attack the gateway stops is shown to work
+when its body is sent straight to vLLM (a client-chosen salt reads the owner's blocks from vLLM's
+cache; a replayed assertion loads the owner's KV from tenantkv), so a miss through the gateway
+is the gateway's doing. Each test uses prompts of its own, so none depends on another's order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+import tenantkv
+from tenantkv import TenantKV
+from tenantkv.cli.gateway import _authenticator, build_gateway, gateway_options
+from tenantkv.gateway import GatewayIdentity
+from tenantkv.gateway.keyed import cache_salt
+from tenantkv.integrations.engine_identity import ASSERTION_PARAM
+from tenantkv.tenant_assertion import AssertionSigner, public_key_pem
+from tests.doc_recipes import kv_transfer_config, toml_text, vllm_serve_args
+from tests.gateway_stack import serving
+from tests.indexes import Index
+from tests_engines.conftest import BLOCK, write_tiny_llama
+from tests_engines.tiny_tokenizer import write_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+AUDIENCE = "hosted-e2e"
+SECRET = b"g" * 32
+MAX_TOKENS = 6
+#: What the recipe leaves to the deployment, for a tiny float32 model on vLLM's CPU backend.
+CPU_ARGS = [
+    "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
+    "--block-size", str(BLOCK), "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
+    "--enable-prefix-caching",
+]  # fmt: skip
+START_TIMEOUT = 240.0
+
+
+@dataclass
+class Stack:
+    """The running stack and what the tests need to drive it."""
+
+    gateway: str  # base URL of the gateway
+    vllm: str  # base URL of vllm serve (the tests' back door: resets and direct attacks)
+    kv: TenantKV  # the cache, opened by the test process as the admin would
+    signer: AssertionSigner  # the gateway's signing key (to make a "captured" assertion)
+    keys: dict[str, str] = field(default_factory=dict)  # tenant -> inference key
+    log: Path = Path()
+
+
+@dataclass
+class Answer:
+    """One completion as the client saw it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_tokens: int
+    cached: int
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def serve_args(model: Path, port: int, config_file: Path) -> list[str]:
+    """docs/gateway.md's ``vllm serve`` line with this machine's model, address and file, and
+    the CPU flags after it."""
+    args = vllm_serve_args("gateway.md")
+    transfer = kv_transfer_config(args)
+    assert transfer["kv_connector_extra_config"].keys() == {"config_file"}
+    transfer["kv_connector_extra_config"] = {"config_file": str(config_file)}
+    args[0] = str(model)
+    args[args.index("--host") + 1] = "127.0.0.1"
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--kv-transfer-config") + 1] = json.dumps(transfer)
+    return args + CPU_ARGS
+
+
+def wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-6000:]
+    pytest.fail(f"vllm serve did not come up (exit {process.poll()}):\n{tail}", pytrace=False)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """End vllm serve and the engine process it started (its own process group)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, index: Index) -> Iterator[Stack]:
+    base = tmp_path_factory.mktemp("hosted")
+    model = write_tiny_tokenizer(write_tiny_llama(base / "tiny-llama"))
+    root = base / "cache"
+    signing = Ed25519PrivateKey.generate()
+    private, public, secret = base / "gateway-key.pem", base / "gateway.pub.pem", base / "secret"
+    private.write_bytes(signing.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    public.write_bytes(public_key_pem(signing.public_key()))
+    secret.write_bytes(SECRET)
+    port = free_port()
+    vllm_url = f"http://127.0.0.1:{port}"
+    config_file = base / "tenantkv.toml"  # one file for the cache, the connector, the gateway
+    config_file.write_text(
+        toml_text(
+            {
+                "cache": {"root": str(root), "database_url": index.url(root), "durable": False},
+                "vllm": {
+                    "gateway_public_keys": [str(public)],
+                    "audience": AUDIENCE,
+                    "require_incarnation": True,
+                },
+                "gateway": {
+                    "audience": AUDIENCE,
+                    "backends": [vllm_url],
+                    "secret_file": str(secret),
+                    "signing_key_file": str(private),
+                },
+            }
+        ),
+        encoding="utf-8",
+    )
+    env = {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    log = base / "vllm-serve.log"
+    with tenantkv.open(root, durable=False) as kv, log.open("wb") as out:
+        kv.create_tenant("acme")
+        kv.create_tenant("globex")
+        command = [sys.executable, "-m", "tests_engines.vllm_serve"]
+        command += serve_args(model, port, config_file)
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_until_healthy(process, vllm_url, log)
+            options = gateway_options(str(root), config_file=str(config_file))
+            assert options.backends == (vllm_url,)
+            with serving(build_gateway(kv, options, _authenticator)) as gateway_url:
+                found = Stack(gateway_url, vllm_url, kv, AssertionSigner(signing), log=log)
+                for tenant in ("acme", "globex"):
+                    found.keys[tenant] = kv.inference_keys.create(tenant, "e2e")[1]
+                yield found
+        finally:
+            stop(process)
+
+
+def prompt(tag: str) -> str:
+    """A prompt of its own per test (the tag first: no two tests share a first block), of
+    121 tokens or so: three full blocks and a partial one."""
+    return f"[{tag}] " + "You are a helpful assistant. Summarise the attached report. " * 3
+
+
+def complete(base_url: str, key: str, text: str, *, stream: bool, **body: Any) -> Answer:
+    """A greedy completion through the official client; ``body``: extra fields of the JSON."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+    extra = {"return_token_ids": True, **body}
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+        "extra_body": extra,
+    }
+    if not stream:
+        done = client.completions.create(**common)
+        (choice,) = done.choices
+        usage = done.usage
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        pieces, token_ids = [choice.text], list(choice.token_ids)  # type: ignore[attr-defined]
+        logprobs = list(choice.logprobs.token_logprobs)
+    else:
+        pieces, token_ids, logprobs, usage = [], [], [], None
+        chunks = client.completions.create(
+            **common, stream=True, stream_options={"include_usage": True}
+        )
+        for chunk in chunks:
+            for choice in chunk.choices:
+                pieces.append(choice.text)
+                token_ids.extend(choice.token_ids or [])  # type: ignore[attr-defined]
+                if choice.logprobs is not None and choice.logprobs.token_logprobs:
+                    logprobs.extend(choice.logprobs.token_logprobs)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    assert usage is not None and usage.prompt_tokens_details is not None, "no usage details"
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    assert len(token_ids) == len(logprobs) == MAX_TOKENS
+    return Answer("".join(pieces), token_ids, logprobs, usage.prompt_tokens, cached)
+
+
+def full_blocks(answer: Answer) -> int:
+    """The tokens a cache can serve of this prompt: its full blocks before the last token."""
+    return (answer.prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def same_output(answer: Answer, reference: Answer) -> bool:
+    """Greedy decoding from a loaded prefix gives the uncached run's tokens and, to float32
+    noise, its log-probabilities (a wrong or shifted KV would change them)."""
+    pairs = zip(answer.logprobs, reference.logprobs, strict=True)
+    return answer.token_ids == reference.token_ids and all(
+        math.isclose(a, b, abs_tol=1e-3) for a, b in pairs
+    )
+
+
+def reset_vllm_prefix_cache(stack: Stack) -> None:
+    """Empty vLLM's own prefix cache (not the connector's): a later hit is tenantkv's."""
+    answer = httpx.post(stack.vllm + "/reset_prefix_cache", timeout=30)
+    assert answer.status_code == 200 and answer.json() == {"success": True}, answer.text
+
+
+def assertion_for(stack: Stack, tenant: str, **overrides: Any) -> str:
+    """An assertion as the gateway signs for ``tenant``'s requests (what a captured one is)."""
+    incarnation = stack.kv.tenant_incarnation(tenant)
+    assert incarnation is not None
+    claims: dict[str, Any] = {"audience": AUDIENCE, "ttl": 60, **overrides}
+    return stack.signer.sign(tenant, incarnation=incarnation.incarnation, **claims)
+
+
+STREAMING = pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+
+
+@STREAMING
+def test_owner_repeated_prompt_is_served_from_tenantkv_with_the_uncached_tokens(
+    stack: Stack, stream: bool
+) -> None:
+    text, key = prompt(f"owner-{stream}"), stack.keys["acme"]
+    first = complete(stack.gateway, key, text, stream=stream)
+    assert first.cached == 0
+    again = complete(stack.gateway, key, text, stream=stream)  # vLLM's cache, the salt's
+    assert again.cached == full_blocks(first) > 0
+    assert same_output(again, first)
+
+    reset_vllm_prefix_cache(stack)
+    from_tenantkv = complete(stack.gateway, key, text, stream=stream)
+    assert from_tenantkv.cached == full_blocks(first)  # only the connector can have served it
+    assert same_output(from_tenantkv, first)
+    # control of the comparison: another prompt's output is told apart
+    other = complete(stack.gateway, key, prompt(f"owner-other-{stream}"), stream=stream)
+    assert not same_output(other, first)
+
+
+@STREAMING
+def test_another_tenant_misses_in_vllms_cache_and_in_tenantkv(stack: Stack, stream: bool) -> None:
+    acme, globex = stack.keys["acme"], stack.keys["globex"]
+    warm = prompt(f"other-warm-{stream}")
+    first = complete(stack.gateway, acme, warm, stream=stream)
+    assert complete(stack.gateway, acme, warm, stream=stream).cached == full_blocks(first)
+    # acme's blocks are in vLLM's cache now: globex's salt is another partition of it
+    assert complete(stack.gateway, globex, warm, stream=stream).cached == 0
+
+    stored = prompt(f"other-stored-{stream}")
+    complete(stack.gateway, acme, stored, stream=stream)
+    reset_vllm_prefix_cache(stack)  # from here, only tenantkv could serve a hit
+    assert complete(stack.gateway, globex, stored, stream=stream).cached == 0
+    control = complete(stack.gateway, acme, stored, stream=stream)
+    assert control.cached == full_blocks(control) > 0  # the owner's copy is there
+
+
+@STREAMING
+def test_a_client_chosen_cache_salt_is_stripped(stack: Stack, stream: bool) -> None:
+    acme, globex = stack.keys["acme"], stack.keys["globex"]
+    text = prompt(f"salt-{stream}")
+    first = complete(stack.gateway, acme, text, stream=stream)
+    assert complete(stack.gateway, acme, text, stream=stream).cached == full_blocks(first)
+    info = next(k for k in stack.kv.inference_keys.list("acme") if k.name == "e2e")
+    incarnation = stack.kv.tenant_incarnation("acme")
+    assert incarnation is not None
+    acme_salt = cache_salt(SECRET, GatewayIdentity(info.id, "acme", None, incarnation.incarnation))
+
+    stolen = complete(stack.gateway, globex, text, stream=stream, cache_salt=acme_salt)
+    assert stolen.cached == 0
+    # positive control: the same salt sent straight to vLLM reads acme's blocks from its cache
+    direct = complete(stack.vllm, "unused", text, stream=stream, cache_salt=acme_salt)
+    assert direct.cached == full_blocks(first)
+
+
+@pytest.mark.parametrize("attack", ["replayed", "forged", "other-audience"], ids=str)
+@STREAMING
+def test_client_kv_transfer_params_are_stripped(stack: Stack, stream: bool, attack: str) -> None:
+    acme, globex = stack.keys["acme"], stack.keys["globex"]
+    if attack == "forged":  # acme's claims under a key that is not the gateway's
+        incarnation = stack.kv.tenant_incarnation("acme")
+        assert incarnation is not None
+        rogue = AssertionSigner(Ed25519PrivateKey.generate())
+        token = rogue.sign("acme", audience=AUDIENCE, incarnation=incarnation.incarnation)
+    elif attack == "other-audience":  # the gateway's key, signed for another deployment
+        token = assertion_for(stack, "acme", audience="another-deployment")
+    else:  # genuine and live, as if captured from acme's traffic
+        token = assertion_for(stack, "acme")
+    params = {ASSERTION_PARAM: token}
+
+    text = prompt(f"params-{attack}-{stream}")
+    stored = complete(stack.gateway, acme, text, stream=stream)
+    reset_vllm_prefix_cache(stack)  # only tenantkv could serve a hit now
+    stolen = complete(stack.gateway, globex, text, stream=stream, kv_transfer_params=params)
+    assert stolen.cached == 0
+
+    # The same field sent straight to vLLM, under a salt of no identity (so vLLM's own cache
+    # cannot serve it): the replayed assertion loads acme's KV from tenantkv, so through the
+    # gateway it was the stripping that stopped it. The forged and other-audience ones the
+    # connector refuses by itself too (a second layer, not the gateway's doing).
+    salt = f"probe-{attack}-{stream}"
+    direct = complete(
+        stack.vllm, "unused", text, stream=stream, cache_salt=salt, kv_transfer_params=params
+    )
+    assert direct.cached == (full_blocks(stored) if attack == "replayed" else 0)
+
+
+@STREAMING
+def test_a_revoked_key_is_401_within_a_second(stack: Stack, stream: bool) -> None:
+    info, key = stack.kv.inference_keys.create("globex", f"revoked-{stream}")
+    text = prompt(f"revoked-{stream}")
+    assert complete(stack.gateway, key, text, stream=stream).cached == 0  # control: it works
+    assert stack.kv.inference_keys.revoke("globex", info.id)
+    revoked_at = time.monotonic()
+    with pytest.raises(openai.AuthenticationError) as refused:
+        complete(stack.gateway, key, text, stream=stream)
+    assert time.monotonic() - revoked_at < 1.0
+    assert refused.value.status_code == 401
+    # control: the tenant's other key still works (complete() checks the whole answer)
+    assert len(complete(stack.gateway, stack.keys["globex"], text, stream=stream).token_ids)
+
+
+@STREAMING
+def test_a_deleted_tenants_keys_are_401_and_a_new_tenant_of_the_name_misses(
+    stack: Stack, stream: bool
+) -> None:
+    tenant = f"initech-{'stream' if stream else 'json'}"
+    stack.kv.create_tenant(tenant)
+    _, key = stack.kv.inference_keys.create(tenant, "app")
+    text = prompt(f"deleted-{stream}")
+    first = complete(stack.gateway, key, text, stream=stream)
+    assert complete(stack.gateway, key, text, stream=stream).cached == full_blocks(first)
+
+    stack.kv.delete_tenant(tenant)  # its keys die with it
+    with pytest.raises(openai.AuthenticationError) as refused:
+        complete(stack.gateway, key, text, stream=stream)
+    assert refused.value.status_code == 401
+
+    stack.kv.create_tenant(tenant)  # the next tenant of the name revives nothing
+    _, fresh = stack.kv.inference_keys.create(tenant, "app")
+    assert complete(stack.gateway, fresh, text, stream=stream).cached == 0
+    reset_vllm_prefix_cache(stack)
+    control = complete(stack.gateway, fresh, text, stream=stream)  # its own copy, in tenantkv
+    assert control.cached == full_blocks(first)
+
+
+def chat_cached(base_url: str, key: str, text: str, *, stream: bool) -> int:
+    """The cached prompt tokens of a greedy chat completion (the tokenizer's chat template)."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    if stream:
+        chunks = client.chat.completions.create(
+            **common, stream=True, stream_options={"include_usage": True}
+        )
+        usage = None
+        for chunk in chunks:
+            usage = chunk.usage or usage
+    else:
+        usage = client.chat.completions.create(**common).usage
+    assert usage is not None and usage.prompt_tokens_details is not None, "no usage details"
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    return cached
+
+
+@STREAMING
+def test_chat_completions_hit_for_the_owner_and_miss_for_another_tenant(
+    stack: Stack, stream: bool
+) -> None:
+    acme, globex = stack.keys["acme"], stack.keys["globex"]
+    text = prompt(f"chat-{stream}")
+    assert chat_cached(stack.gateway, acme, text, stream=stream) == 0
+    assert chat_cached(stack.gateway, acme, text, stream=stream) > 0  # control
+    assert chat_cached(stack.gateway, globex, text, stream=stream) == 0
+    reset_vllm_prefix_cache(stack)
+    assert chat_cached(stack.gateway, acme, text, stream=stream) > 0  # from tenantkv
+    assert chat_cached(stack.gateway, globex, text, stream=stream) > 0  # its own copy now
