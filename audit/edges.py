@@ -36,10 +36,10 @@ from sqlalchemy.orm import Session
 
 from .canonical import canonical_json, legacy_text, sha256_hex
 from .errors import AuditChainError
-from .export import ChainRange, read_record
+from .export import ChainRange, read_record, stored_checkpoints
 from .integrity import Head
 from .macs import check_record
-from .models import AuditCheckpointRow, AuditRecordRow
+from .models import AuditRecordRow
 from .records import AuditRecord, EdgeRecord, Edges, PurgeStatement
 from .signing import Signer
 
@@ -111,21 +111,12 @@ def proven_range(
                 "(the records changed while the export started)"
             )
         after = _edge(next_record)
-    stored = session.scalar(
-        select(func.count())
-        .select_from(AuditCheckpointRow)
-        .where(
-            AuditCheckpointRow.chain == chain,
-            AuditCheckpointRow.seq >= first,
-            AuditCheckpointRow.seq <= last,
-        )
-    )
     return ChainRange(
         chain,
         first,
         last,
         tip.hash,
-        int(stored or 0),
+        stored_checkpoints(session, chain, first, last),
         Edges(before=before, after=after, head_seq=head.last_seq),
     )
 

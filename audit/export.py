@@ -139,18 +139,25 @@ def chain_ranges(
                 AuditRecordRow.chain == chain, AuditRecordRow.seq == last
             )
         )
-        stored = session.scalar(
-            select(func.count())
-            .select_from(AuditCheckpointRow)
-            .where(
-                AuditCheckpointRow.chain == chain,
-                AuditCheckpointRow.seq >= first,
-                AuditCheckpointRow.seq <= last,
-            )
-        )
+        stored = stored_checkpoints(session, chain, first, last)
         assert head_hash is not None, f"record {last} of {chain} vanished while reading it"
-        ranges.append(ChainRange(chain, int(first), int(last), str(head_hash), int(stored or 0)))
+        ranges.append(ChainRange(chain, int(first), int(last), str(head_hash), stored))
     return ranges
+
+
+def stored_checkpoints(session: Session, chain: str, first: int, last: int) -> int:
+    """How many stored checkpoints of ``chain`` fall in seqs ``first..last``: they travel with
+    an export of that run."""
+    count = session.scalar(
+        select(func.count())
+        .select_from(AuditCheckpointRow)
+        .where(
+            AuditCheckpointRow.chain == chain,
+            AuditCheckpointRow.seq >= first,
+            AuditCheckpointRow.seq <= last,
+        )
+    )
+    return int(count or 0)
 
 
 _RECORD_COLUMNS = (
