@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from ..index.api_tokens import tenant_id_for_mint
 from ..index.failures import typed_failures
 from ..index.inference_keys import InferenceKey
 from .tenants import check_tenant_name, incarnation_hex
+from .tokens import check_lifetime
 
 KEY_PREFIX: Final = "tkvi_"
 MAX_EXPIRES_IN: Final = 366 * 86400.0
@@ -105,18 +105,7 @@ def _check_scope(scope: Any) -> str | None:
 
 
 def _check_expires_in(expires_in: Any) -> float | None:
-    if expires_in is None:
-        return None
-    if (
-        isinstance(expires_in, bool)
-        or not isinstance(expires_in, int | float)
-        or not math.isfinite(expires_in)
-        or not 0 < expires_in <= MAX_EXPIRES_IN
-    ):
-        raise InvalidRequestError(
-            f"expires_in must be more than 0 and at most {int(MAX_EXPIRES_IN)} seconds"
-        )
-    return float(expires_in)
+    return check_lifetime("expires_in", expires_in, MAX_EXPIRES_IN)
 
 
 def _check_key_id(key_id: Any) -> str:

@@ -125,19 +125,23 @@ def _check_role(role: Any) -> Role:
     raise InvalidRequestError(f"role {role!r} must be one of {', '.join(ROLES)}")
 
 
-def _check_ttl(ttl_seconds: Any) -> float | None:
-    if ttl_seconds is None:
+def check_lifetime(name: str, seconds: Any, maximum: float) -> float | None:
+    """A credential's lifetime as given (None: no expiry of its own): a finite number of
+    seconds in (0, ``maximum``]. Shared by admin tokens and inference keys."""
+    if seconds is None:
         return None
     if (
-        isinstance(ttl_seconds, bool)
-        or not isinstance(ttl_seconds, int | float)
-        or not math.isfinite(ttl_seconds)
-        or not 0 < ttl_seconds <= MAX_TTL_SECONDS
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or not 0 < seconds <= maximum
     ):
-        raise InvalidRequestError(
-            f"ttl_seconds must be more than 0 and at most {int(MAX_TTL_SECONDS)}"
-        )
-    return float(ttl_seconds)
+        raise InvalidRequestError(f"{name} must be more than 0 and at most {int(maximum)} seconds")
+    return float(seconds)
+
+
+def _check_ttl(ttl_seconds: Any) -> float | None:
+    return check_lifetime("ttl_seconds", ttl_seconds, MAX_TTL_SECONDS)
 
 
 def _info(row: ApiToken) -> TokenInfo:
