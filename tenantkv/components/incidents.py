@@ -101,13 +101,7 @@ class SecurityIncidents:
                 ACCESS_REFUSED,
                 kind,
                 outcome=DENIED,
-                details={
-                    "kind": kind,
-                    "window_start": window.start,
-                    "window_seconds": window.seconds,
-                    "count": entry.count,
-                    "reasons": dict(sorted(entry.reasons.items())),
-                },
+                details={"kind": kind, **window.details(entry)},
             )
             for kind, entry in sorted(window.keys.items())
         ]

@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from ..audit import AuditEvent
 
@@ -62,6 +62,16 @@ class RefusalWindow:
     start: float
     seconds: float
     keys: dict[str, KeyCounts] = field(default_factory=dict)
+
+    def details(self, counts: KeyCounts) -> dict[str, Any]:
+        """What every aggregate record of this window says of one key's refusals (the
+        server and the engines add what names the key)."""
+        return {
+            "window_start": self.start,
+            "window_seconds": self.seconds,
+            "count": counts.count,
+            "reasons": dict(sorted(counts.reasons.items())),
+        }
 
 
 @dataclass(frozen=True)

@@ -97,10 +97,7 @@ class RefusalLog:
                 outcome=DENIED,
                 details={
                     "source": address,
-                    "window_start": window.start,
-                    "window_seconds": window.seconds,
-                    "count": entry.count,
-                    "reasons": dict(sorted(entry.reasons.items())),
+                    **window.details(entry),
                     "token_ids": sorted(entry.notes),
                 },
             )
