@@ -40,6 +40,7 @@ from .security_events import SecurityEvent
 from .services import capacity, purge, reseal, tenants
 from .services.audit import AuditService
 from .services.gc import BackgroundGc, GcReport, Progress
+from .services.health import HealthReport, check_health
 from .services.gc import collect as gc_collect
 from .services.inference_keys import InferenceKeyService
 from .services.namespace import Namespace, open_namespace
@@ -155,6 +156,11 @@ class TenantKV:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (a liveness answer: touches nothing else)."""
+        return self._ctx.runtime.closed
 
     def _open(self) -> CacheContext:
         self._ctx.runtime.check_open()
@@ -356,6 +362,15 @@ class TenantKV:
         except SQLAlchemyError as err:
             # No driver text: the admin API's health answer shows it to clients (logged instead).
             raise unavailable("the health check", err) from err
+
+    def health(self) -> HealthReport:
+        """Whether this cache can serve, for a readiness probe of the server that embeds it:
+        the index answers, its schema is the one this tenantkv needs, and the block store takes
+        a write (a small probe extent, deleted again). Never raises for a failed check: see
+        ``report.ready`` and ``report.checks`` (``"ok"`` or what failed; the cause is logged).
+        Names no tenant. Costs one index read and one small write, so ask it every few
+        seconds, not per request."""
+        return check_health(self._open())
 
     def health_counters(self) -> dict[str, int]:
         """Counts of what went wrong in this process that is not a security event: lost

@@ -252,15 +252,36 @@ def test_redis_refusing_connections_degrades_then_recovers(
             with caplog.at_level(logging.WARNING, logger="tenantkv"):
                 other = random_layers(MLA_SMALL, NUM_TOKENS, seed=5)
                 assert ns.store([t + 1 for t in TOKENS], other) == 0  # skipped, logged
-                with pytest.raises(tenantkv.LoadError, match="reading a cached extent failed"):
-                    ns.load(TOKENS)  # the typed I/O failure, before any layer; bytes kept
+                with pytest.raises(tenantkv.CacheMissError):
+                    ns.load(TOKENS)  # a miss, as docs/README say, not a LoadError; bytes kept
             assert kv.health_counters().get("degraded_store", 0) == 1
+            assert kv.health_counters().get("degraded_load", 0) == 1
             assert any("store" in r.getMessage() for r in caplog.records)
             assert kv.security_events() == {}
             gate.open = True
             assert ns.lookup(TOKENS) == NUM_TOKENS  # the index kept it: the bytes were fine
             assert _loads_exactly(ns, layers)  # recovered by itself
             assert ns.store([t + 1 for t in TOKENS], other) == NUM_TOKENS
+    finally:
+        gate.close()
+
+
+def test_strict_load_with_redis_unreachable_raises_unavailable(
+    tmp_path: Path, prefix: str, index: Index
+) -> None:
+    """``strict=True`` turns the same outage into CacheUnavailableError, not a miss."""
+    gate = _Gate(("127.0.0.1", 6379))
+    url = f"redis://127.0.0.1:{gate.port}/0?prefix={prefix}&socket_timeout=2"
+    try:
+        with tenantkv.open(tmp_path / "cache", durable=False, block_store_url=url, strict=True) as kv:
+            ns, layers = _store(kv)
+            assert _loads_exactly(ns, layers)  # positive control
+            gate.refuse()
+            with pytest.raises(tenantkv.CacheUnavailableError, match="load failed"):
+                ns.load(TOKENS)
+            assert kv.health_counters().get("degraded_load", 0) == 0  # raised, not degraded
+            gate.open = True
+            assert _loads_exactly(ns, layers)
     finally:
         gate.close()
 

@@ -69,6 +69,7 @@ def build_gateway(
         secret=_read_secret(options.secret_file),
         backends=list(options.backends),
         settings=options.settings,
+        cache_health=kv.health,
     )
 
 

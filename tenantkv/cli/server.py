@@ -19,6 +19,7 @@ import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from ..audit import ROLE_OPERATOR, Attribution
 from ..config import config_for_root, default_root
@@ -37,9 +38,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    flags = {"host": args.host, "port": args.port}
-    run(load_settings(root=args.root, **{k: v for k, v in flags.items() if v is not None}))
+    from pydantic import ValidationError
+
+    flags = {"host": args.host, "port": args.port, "log_format": args.log_format}
+    try:
+        settings = load_settings(
+            root=args.root, **{k: v for k, v in flags.items() if v is not None}
+        )
+    except ValidationError as err:
+        print(f"tenantkv serve: {_settings_problem(err)}", file=sys.stderr)
+        return 2
+    run(settings)
     return 0
+
+
+def _settings_problem(err: Any) -> str:
+    """One sentence per bad setting of a pydantic ValidationError: the setting, where it can
+    come from (flag, ``[server]`` table, ``TENANTKV_*`` variable), and what is wrong."""
+    problems = []
+    for item in err.errors():
+        field = ".".join(str(part) for part in item.get("loc", ())) or "a setting"
+        given = item.get("input")
+        problems.append(
+            f"{field} = {given!r} is refused ({item.get('msg', 'invalid')}; set by --{field.replace('_', '-')}, "
+            f"[server] {field} or TENANTKV_{field.upper()})"
+        )
+    return "; ".join(problems)
 
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
@@ -143,6 +167,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument("root", nargs="?", default=default_root())
     serve.add_argument("--host", default=None, help="default 127.0.0.1 ([server] host)")
     serve.add_argument("--port", type=int, default=None, help="default 8470 ([server] port)")
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="text (default) or json: one object per line with request ids, no secrets "
+        "([server] log_format; tenant names only with [server] log_tenants)",
+    )
     serve.set_defaults(handler=_cmd_serve)
 
     token = commands.add_parser("token", help="make, list and revoke admin API tokens")

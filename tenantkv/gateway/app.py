@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
 import httpx
@@ -294,8 +294,10 @@ def create_gateway_app(
     secret: bytes,
     backends: Sequence[str],
     settings: GatewaySettings,
+    cache_health: Callable[[], Any] | None = None,
 ) -> FastAPI:
-    """The gateway as an ASGI application (serve it with uvicorn)."""
+    """The gateway as an ASGI application (serve it with uvicorn). ``cache_health`` (the
+    cache's ``kv.health``, when the gateway has one) joins ``/readyz``."""
     gateway = Gateway(authenticator, signer, secret=secret, backends=backends, settings=settings)
 
     @contextlib.asynccontextmanager
@@ -338,6 +340,11 @@ def create_gateway_app(
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> Response:
+        if cache_health is not None:
+            report = await run_in_threadpool(cache_health)
+            if not report.ready:
+                failed = ", ".join(f"{k}: {v}" for k, v in report.checks.items() if v != "ok")
+                return error_response(503, "not_ready", f"the cache is not ready ({failed})")
         if await gateway.ready():
             return JSONResponse({"status": "ready"})
         return error_response(503, "not_ready", "no backend answers /health")

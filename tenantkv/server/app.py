@@ -13,7 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..api import TenantKV
-from . import errors
+from ..json_logs import configure as configure_logs
+from . import console, errors
 from .body_limit import BodyLimit
 from .gate import AuthGate
 from .metrics import Metrics, RequestMiddleware
@@ -38,6 +39,8 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
         version=__version__,
         description="Authenticated tenant management for tenantkv. See docs/admin-api.md.",
         lifespan=_flushing(refusals),
+        docs_url=None,  # console.install serves /docs from local files, not a CDN
+        redoc_url=None,
     )
     metrics = Metrics(kv, refusals)
     app.state.kv = kv
@@ -48,9 +51,7 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
     routers = [module.router for module in (system, tenants, tokens, inference_keys, audit)]
     for router in routers:
         app.include_router(router)
-    public = {"/healthz", app.openapi_url, app.docs_url, app.redoc_url}
-    if app.docs_url:
-        public.add(f"{app.docs_url}/oauth2-redirect")
+    public = {"/healthz", "/readyz", app.openapi_url, *console.install(app, title=app.title)}
     if config.metrics_public:
         public.add("/metrics")
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
@@ -101,10 +102,17 @@ def run(settings: Settings | None = None) -> None:
     from .. import open as open_cache
 
     config = settings or Settings()
+    json_logs = config.log_format == "json"
+    if json_logs:
+        configure_logs("json", level=config.log_level, tenant_names=config.log_tenants)
     with open_cache(config.cache_config(), create=False) as kv:
         uvicorn.run(
             create_app(kv, config),
             host=config.host,
             port=config.port,
             log_level=config.log_level,
+            # JSON: uvicorn's loggers go to the root handler configured above, and the access
+            # line is the app's own (route templates and request ids, no paths naming tenants)
+            log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG,
+            access_log=not json_logs,
         )

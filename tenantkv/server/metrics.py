@@ -19,6 +19,7 @@ data-plane metrics carry tenant names only if the cache was opened with
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -30,9 +31,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..json_logs import REQUEST_ID
+from .gate import PRINCIPAL_KEY
+
 if TYPE_CHECKING:
     from ..api import TenantKV
     from .refusals import RefusalLog
+
+#: One line per admin API request (``_log_access``); INFO, so silent unless logging asks.
+access_logger = logging.getLogger("tenantkv.access")
 
 REQUEST_ID_KEY: Final = "tenantkv.request_id"
 REQUEST_ID_HEADER: Final = "x-request-id"
@@ -193,6 +200,7 @@ class RequestMiddleware:
         given = _header(scope, REQUEST_ID_HEADER)
         request_id = given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope[REQUEST_ID_KEY] = request_id
+        id_token = REQUEST_ID.set(request_id)  # every line logged while it runs carries it
         started = time.perf_counter()
         status = 500
 
@@ -210,12 +218,36 @@ class RequestMiddleware:
         finally:
             route: Any = scope.get("route")
             template = getattr(route, "path", None)
+            seconds = time.perf_counter() - started
             self.metrics.observe(
                 str(scope.get("method", "")),
                 template if isinstance(template, str) else None,
                 status,
-                time.perf_counter() - started,
+                seconds,
             )
+            if access_logger.isEnabledFor(logging.INFO):
+                _log_access(scope, template if isinstance(template, str) else None, status, seconds)
+            REQUEST_ID.reset(id_token)
+
+
+def _log_access(scope: Scope, template: str | None, status: int, seconds: float) -> None:
+    """One line per request: the route's template, never its path (which names tenants) nor
+    its query or body; the tenant as a field of its own, which the JSON formatter keeps only
+    where the operator allows tenant names in logs."""
+    method = str(scope.get("method", ""))
+    route = template or "unmatched"
+    params = scope.get("path_params") or {}
+    principal = scope.get(PRINCIPAL_KEY)
+    tenant = params.get("name") or getattr(principal, "tenant", None)
+    extra: dict[str, Any] = {
+        "method": method,
+        "route": route,
+        "status": status,
+        "duration_ms": round(seconds * 1000, 3),
+    }
+    if isinstance(tenant, str):
+        extra["tenant"] = tenant
+    access_logger.info("%s %s %d", method, route, status, extra=extra)
 
 
 def _header(scope: Scope, name: str) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,6 +26,15 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="address to listen on (loopback only)")
     port: int = Field(default=8470, ge=0, le=65535)
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="text (uvicorn's lines) or json (one object per line, with request ids)",
+    )
+    log_tenants: bool = Field(
+        default=False,
+        description="let log lines name the tenant a request concerns (off: a shipped log "
+        "would list every tenant)",
+    )
     metrics_public: bool = Field(
         default=False,
         description="serve /metrics without a token (for a scraper on a trusted network)",

@@ -27,7 +27,6 @@ from ..editing.lineage import EditedPrefix
 from ..errors import (
     CacheMissError,
     InvalidRequestError,
-    LoadError,
     SegmentIntegrityError,
     TenantNotFoundError,
 )
@@ -92,7 +91,9 @@ class Namespace(NamespaceReads, NamespaceWrites):
 
         With ``origin``, ``tokens`` is the edited prefix ``origin``'s (see :meth:`edited`).
 
-        Raises :class:`CacheMissError` when any block is not cached, :class:`InvalidRequestError`
+        Raises :class:`CacheMissError` when any block is not cached, or when the index or block
+        store fails before the first layer (counted as ``degraded_load``;
+        :class:`CacheUnavailableError` instead with ``strict=True``), :class:`InvalidRequestError`
         for bad arguments, and :class:`SegmentIntegrityError` when an extent is found damaged
         before the first layer.
         """
@@ -159,9 +160,10 @@ class Namespace(NamespaceReads, NamespaceWrites):
                     f"a cached extent's bytes are gone ({failure.cause}); the prefix was dropped"
                 ) from failure.cause
             if not failure.integrity:
-                raise LoadError(
-                    f"reading a cached extent failed: {failure.cause}", delivered_layers=0
-                ) from failure.cause
+                # The block store is unreachable or failing (Redis down, EIO): the operator's
+                # outage, not the tenant's, so a miss counted as ``degraded_load`` (or, strict,
+                # CacheUnavailableError), as for an index outage; the bytes stay indexed.
+                raise self._ctx.serving.load_unavailable(failure.cause) from failure.cause
             raise SegmentIntegrityError(
                 "a cached extent is damaged; the prefix was dropped", delivered_layers=0
             ) from failure.cause
