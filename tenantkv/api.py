@@ -40,8 +40,8 @@ from .security_events import SecurityEvent
 from .services import capacity, purge, reseal, tenants
 from .services.audit import AuditService
 from .services.gc import BackgroundGc, GcReport, Progress
-from .services.health import HealthReport, check_health
 from .services.gc import collect as gc_collect
+from .services.health import HealthReport, check_health
 from .services.inference_keys import InferenceKeyService
 from .services.namespace import Namespace, open_namespace
 from .services.opening import FirstOpening, holds_cache, not_found

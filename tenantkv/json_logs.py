@@ -39,7 +39,11 @@ _SECRET = re.compile(
 REDACTED: Final = "[redacted]"
 
 #: Attributes every LogRecord has; anything else was passed with ``extra=`` and is kept.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's copy of the message with terminal colours
+}
 
 
 def redact(text: str) -> str:

@@ -273,7 +273,9 @@ def test_strict_load_with_redis_unreachable_raises_unavailable(
     gate = _Gate(("127.0.0.1", 6379))
     url = f"redis://127.0.0.1:{gate.port}/0?prefix={prefix}&socket_timeout=2"
     try:
-        with tenantkv.open(tmp_path / "cache", durable=False, block_store_url=url, strict=True) as kv:
+        with tenantkv.open(
+            tmp_path / "cache", durable=False, block_store_url=url, strict=True
+        ) as kv:
             ns, layers = _store(kv)
             assert _loads_exactly(ns, layers)  # positive control
             gate.refuse()

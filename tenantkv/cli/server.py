@@ -59,8 +59,9 @@ def _settings_problem(err: Any) -> str:
     for item in err.errors():
         field = ".".join(str(part) for part in item.get("loc", ())) or "a setting"
         given = item.get("input")
+        flag = "--" + field.replace("_", "-")
         problems.append(
-            f"{field} = {given!r} is refused ({item.get('msg', 'invalid')}; set by --{field.replace('_', '-')}, "
+            f"{field} = {given!r} is refused ({item.get('msg', 'invalid')}; set by {flag}, "
             f"[server] {field} or TENANTKV_{field.upper()})"
         )
     return "; ".join(problems)
