@@ -44,7 +44,7 @@ from .services.gc import collect as gc_collect
 from .services.health import HealthReport, check_health
 from .services.inference_keys import InferenceKeyService
 from .services.namespace import Namespace, open_namespace
-from .services.opening import FirstOpening, holds_cache, not_found
+from .services.opening import FirstOpening, check_root, holds_cache, not_found
 from .services.purge import PurgeReport
 from .services.setup import prepare_index
 from .services.tenants import TenantIncarnation, TenantInfo
@@ -460,12 +460,18 @@ def open(
     if load_threads is not None:
         settings.setdefault("load_workers", load_threads)
     config = config.with_overrides(**settings)
+    check_root(config.root)
     existing = holds_cache(config)  # creates nothing, not even the root
     if not existing and not create:
         raise not_found(config)
     first = None if existing else FirstOpening(config)
     try:
-        private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
+        try:
+            private_dir(config.root)  # 0700; a root others can read is fixed, with a warning
+        except OSError as err:  # read-only file system, no permission: a sentence, no trace
+            raise InvalidRequestError(
+                f"the cache root {config.root} cannot be used: {err.strerror or err}"
+            ) from err
         wrapper = open_key_wrapper(config, create_key_file=not existing)
         store = block_store or open_blocks(config)
         index = Database(

@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from . import crypto, host_cpus
 from .crypto import (
@@ -38,6 +38,39 @@ DEFAULT_ROOT = "./tenantkv-data"
 MiB = 2**20
 #: The longest duration a setting takes (a year): finite, and far below the timeouts' limits.
 MAX_SECONDS = 366 * 86400.0
+
+
+#: The index URLs tenantkv runs on (the scheme, before ``://``), and what to write instead of a
+#: near miss: SQLAlchemy reads ``postgres://`` as no dialect at all, and plain ``postgresql://``
+#: as psycopg2, which no extra installs.
+DATABASE_SCHEMES: Final = ("sqlite", "postgresql+psycopg")
+_NEAR_MISSES: Final = {
+    "postgres": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "postgresql+psycopg2": "postgresql+psycopg",
+    "sqlite+pysqlite": "sqlite",
+}
+
+
+def _check_database_url(url: object) -> None:
+    """Refuse, in one sentence, an index URL tenantkv does not run on (MySQL, a ``postgres://``
+    URL copied from a hosting panel, a typo) before any driver is loaded."""
+    if not isinstance(url, str) or "://" not in url:
+        raise InvalidRequestError(
+            f"database_url {url!r} is not a URL: use sqlite:///PATH or "
+            "postgresql+psycopg://USER@HOST/DB"
+        )
+    scheme, _, rest = url.partition("://")
+    if scheme in DATABASE_SCHEMES:
+        return
+    hint = _NEAR_MISSES.get(scheme)
+    instead = (
+        f"write {hint}://{rest.rpartition('@')[2]} (with your user)"
+        if hint
+        else "tenantkv's index runs on SQLite (sqlite:///PATH) or PostgreSQL "
+        "(postgresql+psycopg://USER@HOST/DB, the postgres extra)"
+    )
+    raise InvalidRequestError(f"database_url scheme {scheme}:// is not supported: {instead}")
 
 
 def default_database_url(root: Path) -> str:
@@ -212,6 +245,8 @@ class CacheConfig:
             _check_positive_number(name, getattr(self, name), maximum=MAX_SECONDS)
         if self.gc_interval is not None:
             _check_positive_number("gc_interval", self.gc_interval, maximum=MAX_SECONDS)
+        if self.database_url is not None:
+            _check_database_url(self.database_url)
         if self.block_store_url is not None:
             try:  # refuse an unsupported URL early, before anything is opened
                 check_block_store_url(self.block_store_url)

@@ -43,7 +43,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except ImportError as err:  # a sentence rather than a traceback from the import line
+    raise ImportError(
+        "tenantkv.integrations.sglang needs SGLang: pip install 'tenantkv[sglang]' "
+        "(docs/engines.md)"
+    ) from err
 
 from ..errors import TenantAssertionError, TenantKVError
 from ..layout import KVLayout

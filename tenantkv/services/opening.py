@@ -19,13 +19,23 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from ..config import CacheConfig
-from ..errors import CacheNotFoundError, CacheUnavailableError
+from ..errors import CacheNotFoundError, CacheUnavailableError, InvalidRequestError
 from ..index.failures import describe, shown_url
 from .schema_upgrade import current_state
 
 logger = logging.getLogger("tenantkv")
 
 _SQLITE_COMPANIONS = ("", "-wal", "-shm", "-journal")
+
+
+def check_root(root: Path) -> None:
+    """Refuse, in one sentence, a root that cannot hold a cache: a file, or under one."""
+    for path in (root, *root.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is" if path == root else f"is under {path}, which is"
+                raise InvalidRequestError(f"the cache root {root} {what} a file, not a directory")
+            return
 
 
 def holds_cache(config: CacheConfig) -> bool:

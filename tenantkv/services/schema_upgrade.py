@@ -15,13 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import inspect, make_url
+from sqlalchemy.exc import OperationalError
 
 from ..audit import AuditLog
 from ..config import CacheConfig
 from ..crypto import KeyWrapper, SealOpenError
-from ..errors import MasterKeyError
+from ..errors import CacheUnavailableError, MasterKeyError
 from ..index import migrate, settings
 from ..index.database import Database
+from ..index.failures import describe, shown_url
 from ..index.schema import SchemaInfo
 
 KEY_CHECK_CONTEXT = b"tenantkv/master-key-check"
@@ -86,5 +88,8 @@ def current_state(config: CacheConfig) -> migrate.SchemaState | None:
     index = Database(config.index_url)
     try:
         return migrate.current_revision(index)
+    except OperationalError as err:  # a server down or refusing: a sentence, not a traceback
+        url = shown_url(config.index_url)
+        raise CacheUnavailableError(f"opening the index at {url} failed: {describe(err)}") from err
     finally:
         index.close()

@@ -19,6 +19,14 @@ from the paged KV), ``settings`` (extra config, layout, the shared cache), ``con
 class vLLM builds once per role).
 """
 
-from .connector import TenantKVConnector
+try:
+    import vllm  # noqa: F401  (only to say which extra is missing)
+except ImportError as err:  # a sentence rather than a traceback ending deep in our imports
+    raise ImportError(
+        "tenantkv.integrations.vllm needs vLLM: pip install 'tenantkv[vllm]' "
+        "(docs/engines.md; the CPU build: scripts/setup_engines.sh)"
+    ) from err
+
+from .connector import TenantKVConnector  # noqa: E402
 
 __all__ = ["TenantKVConnector"]
