@@ -27,6 +27,6 @@ except ImportError as err:  # a sentence rather than a traceback ending deep in 
         "(docs/engines.md; the CPU build: scripts/setup_engines.sh)"
     ) from err
 
-from .connector import TenantKVConnector  # noqa: E402
+from .connector import TenantKVConnector
 
 __all__ = ["TenantKVConnector"]
