@@ -204,3 +204,37 @@ def test_redact_covers_every_credential_form() -> None:
     assert redact("token tkv_" + "A" * 43 + " end") == "token [redacted] end"
     assert redact("tkvi_" + "b" * 43) == "[redacted]"
     assert redact("tenants: acme, globex") == "tenants: acme, globex"  # nothing else touched
+
+
+def test_gateway_readyz_adds_the_cache_health(tmp_path: Path, index: Index) -> None:
+    """A gateway with a cache is ready only while the cache is; its backend answering in both
+    cases, so the cache's health alone decides."""
+    pytest.importorskip("httpx")
+    pytest.importorskip("redis")
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tenantkv.gateway import create_gateway_app
+    from tenantkv.gateway.settings import GatewaySettings
+    from tenantkv.tenant_assertion import AssertionSigner
+    from tests.gateway_stack import DictAuthenticator, Recording, recording_backend, serving
+
+    dead = f"redis://127.0.0.1:{_dead_port()}/0?prefix=tkv-health:&socket_timeout=1"
+    with (
+        serving(recording_backend(Recording("b"))) as backend,
+        tenantkv.open(tmp_path / "ok", durable=False) as good,
+        tenantkv.open(tmp_path / "dead", durable=False, block_store_url=dead) as bad,
+    ):
+        for kv, status in ((good, 200), (bad, 503)):
+            app = create_gateway_app(
+                DictAuthenticator({}),
+                AssertionSigner(Ed25519PrivateKey.generate()),
+                secret=b"g" * 32,
+                backends=[backend],
+                settings=GatewaySettings(audience="d"),
+                cache_health=kv.health,
+            )
+            with TestClient(app) as client:
+                answer = client.get("/readyz")
+                assert answer.status_code == status, answer.text
+                if status == 503:
+                    assert "block_store: not writable" in answer.text
