@@ -23,6 +23,7 @@ blocks fail names the block (page and line) and its output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -171,10 +172,8 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
         output, _ = process.communicate()
         pytest.fail(f"{what} ran past {PAGE_TIMEOUT} s:\n{output[-4000:]}", pytrace=False)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     if process.returncode != 0:
         pytest.fail(f"{what} failed ({process.returncode}):\n{output[-6000:]}", pytrace=False)
 
