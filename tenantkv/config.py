@@ -358,6 +358,8 @@ SERVER_ENV_FIELDS = frozenset(
         "host",
         "port",
         "log_level",
+        "log_format",
+        "log_tenants",
         "metrics_public",
         "max_token_ttl_seconds",
         "default_token_ttl_seconds",

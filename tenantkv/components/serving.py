@@ -41,7 +41,7 @@ class ServingPolicy:
         self.health.count(f"degraded_{operation}")
         return None
 
-    def load_unavailable(self, err: Exception) -> TenantKVError:
-        """What a load raises when the index fails before it starts: a miss, or (strict)
-        CacheUnavailableError."""
-        return self.unavailable("load", err) or CacheMissError(f"index unavailable: {err}")
+    def load_unavailable(self, err: Exception, backend: str = "index") -> TenantKVError:
+        """What a load raises when the index (or, ``backend="block store"``, the block store)
+        fails before its first layer: a miss, or (strict) CacheUnavailableError."""
+        return self.unavailable("load", err) or CacheMissError(f"{backend} unavailable: {err}")

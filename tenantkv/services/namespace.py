@@ -163,7 +163,9 @@ class Namespace(NamespaceReads, NamespaceWrites):
                 # The block store is unreachable or failing (Redis down, EIO): the operator's
                 # outage, not the tenant's, so a miss counted as ``degraded_load`` (or, strict,
                 # CacheUnavailableError), as for an index outage; the bytes stay indexed.
-                raise self._ctx.serving.load_unavailable(failure.cause) from failure.cause
+                raise self._ctx.serving.load_unavailable(
+                    failure.cause, backend="block store"
+                ) from failure.cause
             raise SegmentIntegrityError(
                 "a cached extent is damaged; the prefix was dropped", delivered_layers=0
             ) from failure.cause
