@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from tests.block_stores import drop_prefix, new_prefix
+from tests.conftest import selected_index_kinds
 from tests.indexes import PostgresSchemas
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,18 +180,22 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
 
 
 @pytest.fixture
-def services(
-    tmp_path: Path, postgres_schemas: PostgresSchemas, request: pytest.FixtureRequest
-) -> dict[str, str]:
-    """What each name of :data:`SERVICES` stands for in this test."""
-    postgres_schemas.connect()
+def services(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+    """What each name of :data:`SERVICES` stands for in this test: the PostgreSQL index is a
+    schema of this session's, or, run with ``--index=sqlite`` (no server), a SQLite file."""
+    var_lib = tmp_path / "var-lib-tenantkv"
+    if "postgresql" in selected_index_kinds(request.config):
+        schemas: PostgresSchemas = request.getfixturevalue("postgres_schemas")
+        schemas.connect()
+        index_url = schemas.url(str(var_lib))
+    else:
+        index_url = f"sqlite:///{tmp_path / 'fleet-index.db'}"
     prefix = new_prefix()
     request.addfinalizer(lambda: drop_prefix(prefix))
-    var_lib = tmp_path / "var-lib-tenantkv"
     mnt = tmp_path / "mnt-kv"
     mnt.mkdir()
     return {
-        "postgresql+psycopg://kv@db/kv": postgres_schemas.url(str(var_lib)),
+        "postgresql+psycopg://kv@db/kv": index_url,
         "redis://host:6379/0?prefix=tkv:": f"redis://127.0.0.1:6379/0?prefix={prefix}",
         "/var/lib/tenantkv": str(var_lib),
         "file:///mnt/kv": mnt.as_uri(),
