@@ -18,20 +18,20 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import socket
 import subprocess
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-import httpx
+import yaml
+
+from tests.doc_recipes import fenced_blocks
+from tests_engines.test_hosted_stack import free_port, stop, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv-litellm" / "bin" / "python"
-START_TIMEOUT = 180.0
 
 _AUTH_MODULE = '''"""The test's keys: key -> the UserAPIKeyAuth LiteLLM would build from its DB."""
 import json
@@ -58,11 +58,11 @@ class TeamKey:
     key_alias: str | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+def documented_config() -> dict[str, Any]:
+    """The LiteLLM ``config.yaml`` of docs/engines.md ("Identity in any other gateway")."""
+    (block,) = fenced_blocks("engines.md", "yaml")
+    config: dict[str, Any] = yaml.safe_load(block)
+    return config
 
 
 def proxy_config(backend_url: str, model: str) -> str:
@@ -79,7 +79,8 @@ def proxy_config(backend_url: str, model: str) -> str:
                 },
             }
         ],
-        "litellm_settings": {"callbacks": "tenantkv.integrations.litellm.hook"},
+        # as docs/engines.md configures the hook (the page's snippet, read here)
+        "litellm_settings": documented_config()["litellm_settings"],
         "general_settings": {
             "custom_auth": "team_keys.user_api_key_auth",
             "master_key": "sk-" + secrets.token_hex(32),  # LiteLLM refuses to start without
@@ -107,7 +108,7 @@ def litellm_proxy(
     (workdir / "team_keys.py").write_text(
         _AUTH_MODULE.format(keys=json.dumps(table)), encoding="utf-8"
     )
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
         key: value
@@ -131,26 +132,7 @@ def litellm_proxy(
             start_new_session=True,
         )  # fmt: skip
     try:
-        _wait_until_live(process, url, log)
+        wait_until_healthy(process, url, log, probe="/health/liveliness", name="the LiteLLM proxy")
         yield url
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
-
-
-def _wait_until_live(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(url + "/health/liveliness", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-6000:]
-    raise RuntimeError(f"the LiteLLM proxy did not come up (exit {process.poll()}):\n{tail}")
+        stop(process)

@@ -24,10 +24,9 @@ from litellm.types.utils import ModelResponse, ModelResponseStream, TextCompleti
 from tenantkv.errors import CacheUnavailableError, InvalidRequestError
 from tenantkv.gateway import GatewaySettings
 from tenantkv.gateway.keyed import cache_salt
-from tenantkv.integrations.engine_identity import ASSERTION_PARAM
 from tenantkv.integrations.litellm import TenantKVHook, litellm_identity, strip_answer
 from tenantkv.services.tenants import TenantIncarnation
-from tenantkv.tenant_assertion import AssertionSigner, AssertionVerifier
+from tenantkv.tenant_assertion import ASSERTION_PARAM, AssertionSigner, AssertionVerifier
 
 INCARNATION = "ab" * 16
 SECRET = b"s" * 32

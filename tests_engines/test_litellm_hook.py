@@ -43,8 +43,7 @@ import tenantkv
 from tenantkv import TenantKV
 from tenantkv.gateway import GatewayIdentity
 from tenantkv.gateway.keyed import cache_salt
-from tenantkv.integrations.engine_identity import ASSERTION_PARAM
-from tenantkv.tenant_assertion import AssertionSigner, public_key_pem
+from tenantkv.tenant_assertion import ASSERTION_PARAM, AssertionSigner, public_key_pem
 from tests.doc_recipes import toml_text
 from tests_engines.conftest import BLOCK, write_tiny_llama
 from tests_engines.litellm_proxy import PYTHON, TeamKey, litellm_proxy
@@ -79,16 +78,23 @@ class Served:
     vllm: str  # vllm serve base URL (the test's back door)
     kv: TenantKV
     signer: AssertionSigner
+    #: tests_engines/litellm_unit_checks.py in .venv-litellm, started with the stack so that its
+    #: LiteLLM import overlaps vllm serve's start
+    unit_checks: Popen[str]
 
 
 def served_config(base: Path) -> Path:
     """One file for the cache, the connector and the hook (its ``[gateway]`` table)."""
     root = base / "cache"
     signing = Ed25519PrivateKey.generate()
-    private, public, secret = base / "gateway-key.pem", base / "gateway.pub.pem", base / "secret"
-    private.write_bytes(signing.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
-    public.write_bytes(public_key_pem(signing.public_key()))
-    secret.write_bytes(SECRET)
+    keys = {
+        "gateway-key.pem": signing.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()),
+        "gateway.pub.pem": public_key_pem(signing.public_key()),
+        "secret": SECRET,
+    }
+    for name, data in keys.items():
+        (base / name).write_bytes(data)
+    private, public, secret = (base / name for name in keys)
     config_file = base / "tenantkv.toml"
     cache = {"root": str(root), "database_url": f"sqlite:///{root}/index.db", "durable": False}
     vllm = {"gateway_public_keys": [str(public)], "audience": AUDIENCE}
@@ -131,23 +137,36 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config_file = served_config(base)
     cache = tenantkv.config.CacheConfig.from_env(config_file=config_file, environ={})
     signer = AssertionSigner((base / "gateway-key.pem").read_bytes())
-    with tenantkv.open(cache) as kv:
-        kv.create_tenant("acme")
-        kv.create_tenant("globex")
-        port = free_port()
-        vllm_url, log = f"http://127.0.0.1:{port}", base / "vllm-serve.log"
-        with (
-            vllm_process(model, config_file, port, log) as process,
-            litellm_proxy(
-                vllm_url,
-                model=MODEL,
-                tenantkv_config=config_file,
-                keys=KEYS,
-                workdir=base / "litellm",
-            ) as proxy_url,
-        ):
-            wait_until_healthy(process, vllm_url, log)
-            yield Served(proxy_url, vllm_url, kv, signer)
+    unit_checks = subprocess.Popen(
+        [str(PYTHON), "-m", "tests_engines.litellm_unit_checks"],
+        cwd=REPO,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        with tenantkv.open(cache) as kv:
+            kv.create_tenant("acme")
+            kv.create_tenant("globex")
+            port = free_port()
+            vllm_url, log = f"http://127.0.0.1:{port}", base / "vllm-serve.log"
+            with (
+                vllm_process(model, config_file, port, log) as process,
+                litellm_proxy(
+                    vllm_url,
+                    model=MODEL,
+                    tenantkv_config=config_file,
+                    keys=KEYS,
+                    workdir=base / "litellm",
+                ) as proxy_url,
+            ):
+                wait_until_healthy(process, vllm_url, log)
+                yield Served(proxy_url, vllm_url, kv, signer, unit_checks)
+    finally:
+        if unit_checks.poll() is None:
+            unit_checks.kill()
+            unit_checks.wait(10)
 
 
 def prompt(tag: str) -> str:
@@ -301,16 +320,9 @@ def test_answers_lose_kv_transfer_params(served: Served) -> None:
     assert through.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
 
 
-def test_the_hooks_unit_checks_pass_on_litellms_own_types() -> None:
+def test_the_hooks_unit_checks_pass_on_litellms_own_types(served: Served) -> None:
     """tests_engines/litellm_unit_checks.py in .venv-litellm (LiteLLM's types, no proxy)."""
-    done = subprocess.run(
-        [str(PYTHON), "-m", "tests_engines.litellm_unit_checks"],
-        cwd=REPO,
-        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    summary = re.search(r"^(\d+) passed, 0 failed$", done.stdout, re.MULTILINE)
-    assert summary is not None and int(summary.group(1)) >= 5, done.stdout
+    output, _ = served.unit_checks.communicate(timeout=300)
+    assert served.unit_checks.returncode == 0, output
+    summary = re.search(r"^(\d+) passed, 0 failed$", output, re.MULTILINE)
+    assert summary is not None and int(summary.group(1)) >= 5, output

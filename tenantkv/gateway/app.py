@@ -166,14 +166,7 @@ class Gateway:
     def rewrite(self, body: dict[str, Any], identity: IdentityLike) -> bytes:
         """The body as it goes upstream: stripped, then salted and given the assertion."""
         try:
-            stamp(
-                body,
-                identity,
-                signer=self.signer,
-                secret=self.secret,
-                audience=self.settings.audience,
-                lifetime=self.settings.assertion_lifetime,
-            )
+            stamp(body, identity, signer=self.signer, secret=self.secret, settings=self.settings)
         except InvalidRequestError:
             logger.error("gateway: key %r has an identity that cannot be signed", identity.key_id)
             raise Refusal(500, "internal_error", "the key's identity cannot be served") from None

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..integrations.engine_identity import ASSERTION_PARAM
-from ..tenant_assertion import AssertionSigner
+from ..tenant_assertion import ASSERTION_PARAM, AssertionSigner
 from .identity import IdentityLike
 from .keyed import cache_salt
 from .scrub import scrub
+from .settings import GatewaySettings
 
 
 def stamp(
@@ -26,11 +26,11 @@ def stamp(
     *,
     signer: AssertionSigner,
     secret: bytes,
-    audience: str,
-    lifetime: float,
+    settings: GatewaySettings,
 ) -> int:
     """Rewrite ``body`` in place for ``identity``: stripped, salted, given the assertion
-    (``audience``, valid ``lifetime`` seconds). Returns how many client fields were removed.
+    (for ``settings.audience``, valid ``settings.assertion_lifetime`` seconds). Returns how many
+    client fields were removed.
 
     Raises :class:`~tenantkv.errors.InvalidRequestError` when the identity cannot be signed
     (a tenant or scope that is no valid label); the body is then stripped but not stamped."""
@@ -38,8 +38,8 @@ def stamp(
     assertion = signer.sign(
         identity.tenant,
         scope=identity.scope,
-        audience=audience,
-        ttl=lifetime,
+        audience=settings.audience,
+        ttl=settings.assertion_lifetime,
         incarnation=identity.incarnation,
     )
     body["cache_salt"] = cache_salt(secret, identity)

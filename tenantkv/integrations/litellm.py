@@ -177,14 +177,7 @@ class TenantKVHook(CustomLogger):  # type: ignore[misc]
             scrub(data)
             return
         try:
-            stamp(
-                data,
-                identity,
-                signer=self.signer,
-                secret=self.secret,
-                audience=self.settings.audience,
-                lifetime=self.settings.assertion_lifetime,
-            )
+            stamp(data, identity, signer=self.signer, secret=self.secret, settings=self.settings)
         except InvalidRequestError:
             logger.error("litellm hook: key %r has an identity that cannot be signed", identity)
             raise refusal(403, "this key's identity cannot be served") from None
