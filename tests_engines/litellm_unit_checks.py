@@ -78,6 +78,7 @@ def check_keys_of_no_tenant_team_are_refused() -> None:
     assert long_refusal.status_code == 403 and len(str(long_refusal.detail)) < 200
     down = refused(lambda: litellm_identity(stranger, Directory(broken=True)))
     assert down.status_code == 503
+    assert refused(lambda: litellm_identity(None, directory)).status_code == 401
 
 
 def make_hook() -> tuple[TenantKVHook, AssertionVerifier]:

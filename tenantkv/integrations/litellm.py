@@ -88,10 +88,13 @@ def _label(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def litellm_identity(key: UserAPIKeyAuth, directory: TenantDirectory) -> GatewayIdentity:
+def litellm_identity(key: UserAPIKeyAuth | None, directory: TenantDirectory) -> GatewayIdentity:
     """The verified identity of a LiteLLM key: (its team, its user or alias, the team's tenant
-    incarnation). Raises the :func:`refusal` for a key of no team or of a team that is no
-    tenant (403), or when the index cannot answer (503)."""
+    incarnation). Raises the :func:`refusal` for a call LiteLLM authenticated no key for (401),
+    a key of no team or of a team that is no tenant (403), or when the index cannot answer
+    (503)."""
+    if key is None:
+        raise refusal(401, "no authenticated key")
     team = _label(key.team_id)
     if team is None:
         raise refusal(403, "this key belongs to no team; only team keys are served")
@@ -101,7 +104,7 @@ def litellm_identity(key: UserAPIKeyAuth, directory: TenantDirectory) -> Gateway
     except InvalidRequestError:  # a team id that cannot name a tenant
         found = None
     except TenantKVError:
-        logger.exception("litellm hook: the tenant of team %s could not be looked up", team)
+        logger.exception("litellm hook: the tenant of team %s cannot be looked up", _quoted(team))
         raise refusal(503, "tenants cannot be looked up now; retry") from None
     if found is None:
         raise refusal(403, f"team {_quoted(team)} is no tenantkv tenant")
@@ -168,7 +171,7 @@ class TenantKVHook(CustomLogger):  # type: ignore[misc]
         self.secret = check_secret(secret)
         self.settings = settings
 
-    def identify(self, key: UserAPIKeyAuth) -> GatewayIdentity:
+    def identify(self, key: UserAPIKeyAuth | None) -> GatewayIdentity:
         return litellm_identity(key, self.directory)
 
     def rewrite(self, data: dict[str, Any], identity: GatewayIdentity, call_type: str) -> None:
@@ -179,12 +182,14 @@ class TenantKVHook(CustomLogger):  # type: ignore[misc]
         try:
             stamp(data, identity, signer=self.signer, secret=self.secret, settings=self.settings)
         except InvalidRequestError:
-            logger.error("litellm hook: key %r has an identity that cannot be signed", identity)
+            logger.error(
+                "litellm hook: key %r has an identity that cannot be signed", identity.key_id
+            )
             raise refusal(403, "this key's identity cannot be served") from None
 
     async def async_pre_call_hook(
         self,
-        user_api_key_dict: UserAPIKeyAuth,
+        user_api_key_dict: UserAPIKeyAuth | None,
         cache: Any,
         data: dict[str, Any],
         call_type: str,
