@@ -6,7 +6,8 @@ the tenantkv connector, started as the hosted-stack test starts it (docs/gateway
 
 What it shows, each refusal with its positive control:
 
-* a team's repeated prompt hits vLLM's cache (the hook's salt), and after vLLM's cache is
+* a team's repeated prompt (completions, streamed or not; chat completions) hits vLLM's
+  cache (the hook's salt), and after vLLM's cache is
   emptied it hits tenantkv (only the connector, reading the hook's signed assertion, can have
   served it), with the uncached run's text;
 * another team misses in both tiers, while the owner's copy is there;
@@ -50,6 +51,7 @@ from tests_engines.litellm_proxy import PYTHON, TeamKey, litellm_proxy
 from tests_engines.test_hosted_stack import (
     MODEL,
     REPO,
+    chat_cached,
     free_port,
     serve_args,
     stop,
@@ -242,6 +244,14 @@ def test_a_teams_repeated_prompt_hits_vllms_cache_then_tenantkv(
     loaded = ask(served.litellm, "sk-acme", text, stream=stream)  # only the connector now
     assert loaded.cached == full_blocks(first)
     assert loaded.text == first.text
+
+
+def test_chat_completions_hit_for_the_team_and_miss_for_another(served: Served) -> None:
+    """LiteLLM's chat path (its ModelResponse and stream chunks), json then streamed."""
+    text = prompt("chat")
+    assert chat_cached(served.litellm, "sk-acme", text, stream=False) == 0
+    assert chat_cached(served.litellm, "sk-acme", text, stream=True) > 0  # control
+    assert chat_cached(served.litellm, "sk-globex", text, stream=True) == 0
 
 
 def test_another_team_misses_in_both_tiers(served: Served) -> None:
