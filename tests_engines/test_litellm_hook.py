@@ -7,9 +7,9 @@ the tenantkv connector, started as the hosted-stack test starts it (docs/gateway
 What it shows, each refusal with its positive control:
 
 * a team's repeated prompt (completions, streamed or not; chat completions) hits vLLM's
-  cache (the hook's salt), and after vLLM's cache is
-  emptied it hits tenantkv (only the connector, reading the hook's signed assertion, can have
-  served it), with the uncached run's text;
+  cache (the hook's salt), and after vLLM's cache is emptied it hits tenantkv (only the
+  connector, reading the hook's signed assertion, can have served it), with the uncached
+  run's text;
 * another team misses in both tiers, while the owner's copy is there;
 * a client's ``cache_salt`` and ``kv_transfer_params`` never arrive: sent through LiteLLM they
   miss; sent straight to vLLM the same fields do reach the owner's blocks;
