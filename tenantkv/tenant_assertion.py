@@ -68,6 +68,10 @@ from .audit.signing import key_id_of
 from .errors import InvalidRequestError, TenantAssertionError
 
 PREFIX: Final = "tkva1"
+#: The key of ``kv_transfer_params`` (vLLM) or of the extra config / request metadata (SGLang)
+#: that carries the gateway's assertion (here, below both the gateways that set it and the
+#: engines that read it).
+ASSERTION_PARAM: Final = "tenantkv_assertion"
 #: Longest assertion accepted; anything longer is refused before any parsing.
 MAX_ASSERTION_CHARS: Final = 2048
 #: Longest lifetime (exp - iat) a verifier accepts unless configured otherwise.

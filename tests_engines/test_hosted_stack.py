@@ -112,19 +112,27 @@ def serve_args(model: Path, port: int, config_file: Path) -> list[str]:
     return args + CPU_ARGS
 
 
-def wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+def wait_until_healthy(
+    process: subprocess.Popen[bytes],
+    url: str,
+    log: Path,
+    *,
+    probe: str = "/health",
+    name: str = "vllm serve",
+) -> None:
+    """Until ``url + probe`` answers 200 (``name`` for the failure, with its log's tail)."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
             break
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + probe, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     tail = log.read_text(errors="replace")[-6000:]
-    pytest.fail(f"vllm serve did not come up (exit {process.poll()}):\n{tail}", pytrace=False)
+    pytest.fail(f"{name} did not come up (exit {process.poll()}):\n{tail}", pytrace=False)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

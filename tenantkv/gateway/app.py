@@ -9,7 +9,8 @@ For each ``POST /v1/completions`` or ``/v1/chat/completions``:
    object);
 4. every identity-bearing field is removed at any depth (:mod:`scrub`), then ``cache_salt``
    is set to the keyed hash of the verified identity and ``kv_transfer_params`` to
-   ``{ASSERTION_PARAM: <signed assertion>}``, which is what the vLLM connector reads;
+   ``{ASSERTION_PARAM: <signed assertion>}``, which is what the vLLM connector reads (one
+   function, :mod:`stamp`, shared with the LiteLLM hook);
 5. the backends are ranked by the keyed digest of the identity and the prompt's first block
    (:mod:`routing`); one that cannot be connected to is skipped for the next;
 6. the answer (JSON, or server-sent events as they arrive) loses every identity-bearing field;
@@ -36,15 +37,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError, TenantKVError
-from ..integrations.engine_identity import ASSERTION_PARAM
 from ..tenant_assertion import AssertionSigner
 from .headers import clean_value, forwarded_headers
 from .identity import IdentityLike, KeyAuthenticator
-from .keyed import affinity_digest, cache_salt
+from .keyed import affinity_digest
 from .limits import KeyLimiter, Lease
 from .routing import Router
 from .scrub import scrub
 from .settings import GatewaySettings, check_backends, check_secret
+from .stamp import stamp
 from .streaming import EventStream
 from .upstream import SplitPoolTransport
 
@@ -164,20 +165,11 @@ class Gateway:
 
     def rewrite(self, body: dict[str, Any], identity: IdentityLike) -> bytes:
         """The body as it goes upstream: stripped, then salted and given the assertion."""
-        scrub(body)
         try:
-            assertion = self.signer.sign(
-                identity.tenant,
-                scope=identity.scope,
-                audience=self.settings.audience,
-                ttl=self.settings.assertion_lifetime,
-                incarnation=identity.incarnation,
-            )
+            stamp(body, identity, signer=self.signer, secret=self.secret, settings=self.settings)
         except InvalidRequestError:
             logger.error("gateway: key %r has an identity that cannot be signed", identity.key_id)
             raise Refusal(500, "internal_error", "the key's identity cannot be served") from None
-        body["cache_salt"] = cache_salt(self.secret, identity)
-        body["kv_transfer_params"] = {ASSERTION_PARAM: assertion}
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
     async def send(

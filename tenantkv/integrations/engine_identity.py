@@ -40,13 +40,11 @@ from ..layout import KVLayout
 from ..security_events import LogLimiter
 from ..services.namespace import Namespace
 from ..services.tenants import TenantIncarnation, incarnation_hex
+from ..tenant_assertion import ASSERTION_PARAM as ASSERTION_PARAM  # named here for engines
 from ..tenant_assertion import AssertionVerifier, TenantAssertion
 
 logger = logging.getLogger("tenantkv")
 
-#: The key of ``kv_transfer_params`` (vLLM) or of the extra config / request metadata (SGLang)
-#: that carries the gateway's assertion.
-ASSERTION_PARAM: Final = "tenantkv_assertion"
 #: The security event kind of a refused assertion.
 ASSERTION_REFUSED: Final = "tenant_assertion_refused"
 #: The health counter of engine calls that an error of the cache turned into a miss.
