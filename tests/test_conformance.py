@@ -100,6 +100,13 @@ def test_usage_and_event_parsing() -> None:
         request_body("embeddings", "m", "hi", stream=False, max_tokens=1)
 
 
+def test_the_clis_entrypoints_are_the_suites() -> None:
+    from tenantkv.cli.conformance import ENTRYPOINTS as CLI
+    from tenantkv.conformance.probe import ENTRYPOINTS
+
+    assert CLI == ENTRYPOINTS
+
+
 def test_prompts_are_their_own_from_the_first_characters() -> None:
     a, b = prompt("run1", "x", 300), prompt("run1", "y", 300)
     assert len(a) == len(b) == 300

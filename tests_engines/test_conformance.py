@@ -109,11 +109,13 @@ def test_conformance_fails_when_the_gateway_sets_no_salt(
     gateway.rewrite = unsalted
     with serving(app) as url:
         status, report, table = conformance(
-            hosted_stack, url, key_files, tmp_path / "report.json", "--samples", "0"
-        )
+            hosted_stack, url, key_files, tmp_path / "report.json", "--samples", "0",
+            "--entrypoint", "completions", "--streaming", "off",
+        )  # fmt: skip
     assert status == 1, table
     assert not report["passed"]
     identity = [c for c in report["cases"] if c["dimension"] in ("tenant", "scope")]
+    assert len(identity) == 4  # tenant and scope x the two tiers (one entrypoint, unstreamed)
     # vLLM's own prefix cache is shared now: every identity case of that tier fails ...
     assert {c["outcome"] for c in identity if c["tier"] == "vllm"} == {"FAIL"}, table
     # ... while tenantkv's tier, partitioned by the assertion, still holds

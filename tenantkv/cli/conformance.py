@@ -112,7 +112,11 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     )
     material, missing = attack_material(target.owner_key)
     plan = Plan(
-        samples=args.samples, prompt_chars=args.prompt_chars, timing_chars=args.timing_chars
+        samples=args.samples,
+        prompt_chars=args.prompt_chars,
+        timing_chars=args.timing_chars,
+        entrypoints=tuple(dict.fromkeys(args.entrypoint or ENTRYPOINTS)),
+        streams={"both": (False, True), "on": (True,), "off": (False,)}[args.streaming],
     )
 
     def progress(step: str) -> None:
@@ -132,6 +136,10 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(report.dumps() + "\n", encoding="utf-8")
     return 1 if report.failed else 0
+
+
+#: The matrix's entrypoints (tenantkv.conformance.probe.ENTRYPOINTS, which needs httpx).
+ENTRYPOINTS = ("completions", "chat")
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -158,6 +166,19 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     cmd.add_argument(
         "--samples", type=int, default=20, help="per group of the timing audit (0: none)"
+    )
+    cmd.add_argument(
+        "--entrypoint",
+        action="append",
+        choices=ENTRYPOINTS,
+        default=None,
+        help="limit the matrix to these entrypoints (repeatable; default: all)",
+    )
+    cmd.add_argument(
+        "--streaming",
+        choices=("both", "on", "off"),
+        default="both",
+        help="the matrix's streamed requests, unstreamed ones, or both (default)",
     )
     cmd.add_argument("--prompt-chars", type=int, default=400, help="length of matrix prompts")
     cmd.add_argument("--timing-chars", type=int, default=1500, help="length of timed prompts")
