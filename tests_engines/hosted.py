@@ -65,6 +65,16 @@ VLLM_ENV = {
 }
 
 
+@dataclass(frozen=True)
+class Spare:
+    """A second ``vllm serve`` of the same model and file, started with the first so that the
+    two starts overlap, for the test that needs two backends (test_two_backends.py)."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
 @dataclass
 class Stack:
     """The running stack and what the tests need to drive it."""
@@ -78,6 +88,7 @@ class Stack:
     database_url: str
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> inference key
     log: Path = Path()
+    spare: Spare | None = None  # started only when a test of two backends was collected
 
 
 def free_port() -> int:
@@ -201,6 +212,11 @@ def hosted_stack(
         kv.create_tenant("acme")
         kv.create_tenant("globex")
         process = start_vllm(model, port, config_file, log)
+        spare = None
+        if any(item.path.name == "test_two_backends.py" for item in request.session.items):
+            spare_port, spare_log = free_port(), base / "vllm-serve-spare.log"
+            spare_process = start_vllm(model, spare_port, config_file, spare_log)
+            spare = Spare(f"http://127.0.0.1:{spare_port}", spare_process, spare_log)
         try:
             wait_until_healthy(process, vllm_url, log)
             options = gateway_options(str(root), config_file=str(config_file))
@@ -215,9 +231,12 @@ def hosted_stack(
                     config_file,
                     database_url,
                     log=log,
+                    spare=spare,
                 )
                 for tenant in ("acme", "globex"):
                     found.keys[tenant] = kv.inference_keys.create(tenant, "e2e")[1]
                 yield found
         finally:
             stop(process)
+            if spare is not None:
+                stop(spare.process)

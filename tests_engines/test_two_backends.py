@@ -8,8 +8,8 @@
   served by the other, and still from cache: the connector of the stopped node had stored it
   in tenantkv, which every node shares.
 
-The first backend is the session's (tests_engines/hosted.py); the test starts the second
-(the one it may stop) and picks a prompt that the gateway's rendezvous ranks on the second,
+The first backend is the session's (tests_engines/hosted.py); the second (the one the test
+stops) is started with it when this module is collected, so that the two starts overlap and picks a prompt that the gateway's rendezvous ranks on the second,
 then checks with the backends' metrics where the requests really went.
 """
 
@@ -78,10 +78,14 @@ def cached_completion(gateway: str, key: str, text: str) -> int:
 def two_backends(hosted_stack: Stack, tmp_path: Path) -> Iterator[Pair]:
     """The gateway, a child process of ``tenantkv gateway --config FILE``, in front of the
     session's backend and a second one."""
-    port = free_port()
-    second = f"http://127.0.0.1:{port}"
-    vllm_log = tmp_path / "vllm-2.log"
-    backend = start_vllm(hosted_stack.model, port, hosted_stack.config_file, vllm_log)
+    if hosted_stack.spare is not None:  # started with the session's, its start overlapped
+        second, backend = hosted_stack.spare.url, hosted_stack.spare.process
+        vllm_log = hosted_stack.spare.log
+    else:
+        port = free_port()
+        second = f"http://127.0.0.1:{port}"
+        vllm_log = tmp_path / "vllm-2.log"
+        backend = start_vllm(hosted_stack.model, port, hosted_stack.config_file, vllm_log)
     gateway_port = free_port()
     config = tmp_path / "tenantkv.toml"
     base = hosted_stack.config_file.parent  # the key, public key and secret files

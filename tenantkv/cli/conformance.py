@@ -117,6 +117,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         timing_chars=args.timing_chars,
         entrypoints=tuple(dict.fromkeys(args.entrypoint or ENTRYPOINTS)),
         streams={"both": (False, True), "on": (True,), "off": (False,)}[args.streaming],
+        attacks=args.attacks,
     )
 
     def progress(step: str) -> None:
@@ -179,6 +180,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         choices=("both", "on", "off"),
         default="both",
         help="the matrix's streamed requests, unstreamed ones, or both (default)",
+    )
+    cmd.add_argument(
+        "--attacks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="try the client-supplied salt and kv_transfer_params attacks (default: yes)",
     )
     cmd.add_argument("--prompt-chars", type=int, default=400, help="length of matrix prompts")
     cmd.add_argument("--timing-chars", type=int, default=1500, help="length of timed prompts")
