@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from typing import Any, ClassVar
 
 import httpx
@@ -126,8 +127,12 @@ class ModelDeployment:
     KEYS: ClassVar = {"ka": ("acme", "s1"), "kb": ("globex", "s1"), "kc": ("acme", "s2")}
     TOKENS = 96
 
-    def __init__(self, leak: str | None = None) -> None:
+    def __init__(
+        self, leak: str | None = None, *, usage: bool = True, prefill: float = 0.0
+    ) -> None:
         self.leak = leak
+        self.usage = usage  # whether answers report cached tokens
+        self.prefill = prefill  # seconds a miss takes (a hit a tenth of it)
         self.vllm: set[tuple[str, str, str]] = set()
         self.tenantkv: set[tuple[tuple[str, str], str, str]] = set()
         self.resets = 0
@@ -170,10 +175,10 @@ class ModelDeployment:
         self.vllm.add((salt, model, text))
         if identity is not None:
             self.tenantkv.add((identity, model, text))
-        usage = {
-            "prompt_tokens": self.TOKENS + 1,
-            "prompt_tokens_details": {"cached_tokens": self.TOKENS if hit else 0},
-        }
+        time.sleep(self.prefill / 10 if hit else self.prefill)
+        usage: dict[str, Any] = {"prompt_tokens": self.TOKENS + 1}
+        if self.usage:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.TOKENS if hit else 0}
         if not body.get("stream"):
             return httpx.Response(200, json={"choices": [{"text": "x"}], "usage": usage})
         events = [{"choices": [{"text": "x"}], "usage": None}, {"choices": [], "usage": usage}]
@@ -182,7 +187,11 @@ class ModelDeployment:
 
 
 def run_suite(
-    model: ModelDeployment, *, backends: bool = True, other_model: str | None = "m2"
+    model: ModelDeployment,
+    *,
+    backends: bool = True,
+    other_model: str | None = "m2",
+    plan: Plan | None = None,
 ) -> Report:
     client = httpx.Client(transport=httpx.MockTransport(model.handle))
     target = Target(
@@ -199,7 +208,8 @@ def run_suite(
         assertions={"replayed": "genuine-acme", "forged": "f", "other-audience": "o"},
     )
     with client:
-        return Suite(Prober(client), target, Plan(samples=0, prompt_chars=80), material).run()
+        plan = plan or Plan(samples=0, prompt_chars=80)
+        return Suite(Prober(client), target, plan, material).run()
 
 
 def failures(report: Report) -> set[str]:
@@ -275,3 +285,26 @@ def test_the_command_exits_nonzero_on_an_unreachable_gateway(
     )  # fmt: skip
     assert status == 2
     assert "tenantkv conformance:" in capsys.readouterr().err
+
+
+TIMED = Plan(
+    samples=20, prompt_chars=80, entrypoints=("completions",), streams=(False,), attacks=False
+)
+
+
+def test_the_timing_audit_passes_isolation_and_reads_hits_where_usage_is_silent() -> None:
+    """No cached tokens in the answers: the audit's control separates the owner's hits (a
+    tenth of a miss's time), so the matrix reads hits from timing, and passes."""
+    report = run_suite(ModelDeployment(usage=False, prefill=0.08), plan=TIMED)
+    assert report.timing is not None and report.timing.outcome is Outcome.PASS, report.table()
+    assert report.timing.control_p is not None and report.timing.control_p < 1e-6
+    live = [c for c in report.cases if c.outcome is not Outcome.SKIPPED]
+    assert len(live) == 6 and all(c.hits_from == "timing" for c in live)
+    assert {c.outcome for c in live} == {Outcome.PASS}, report.table()
+
+
+def test_the_timing_audit_fails_a_shared_prefix_cache() -> None:
+    report = run_suite(ModelDeployment(leak="salt", usage=False, prefill=0.08), plan=TIMED)
+    assert report.timing is not None and report.timing.outcome is Outcome.FAIL, report.table()
+    assert report.timing.cross_p is not None and report.timing.cross_p <= 1e-3
+    assert report.failed

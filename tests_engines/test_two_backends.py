@@ -9,8 +9,9 @@
   in tenantkv, which every node shares.
 
 The first backend is the session's (tests_engines/hosted.py); the second (the one the test
-stops) is started with it when this module is collected, so that the two starts overlap and picks a prompt that the gateway's rendezvous ranks on the second,
-then checks with the backends' metrics where the requests really went.
+stops) is started with it when this module is collected, so that the two starts overlap. The
+test picks a prompt that the gateway's rendezvous ranks on the second, then checks with the
+backends' metrics where the requests really went.
 """
 
 from __future__ import annotations
