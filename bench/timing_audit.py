@@ -16,7 +16,8 @@ a KS test on the latencies tells a cached prefix from a cold one. Here, for each
   what the lookup reported (every layer consumed), or, when it reported nothing, an attempt to
   load the probe anyway (a miss: ``CacheMissError``). Lookup, load and the whole attempt are
   timed separately;
-* a two-sample KS test (``bench/_ks.py``) compares shared with fresh probes for each timing.
+* a two-sample KS test (``tenantkv/conformance/ks.py``, which ``tenantkv conformance`` uses
+  too) compares shared with fresh probes for each timing.
 
 Scenarios (one cache, the embedded default: SQLite + local directory + key file in a temporary
 root):

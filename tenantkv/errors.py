@@ -22,6 +22,8 @@
 * :class:`CacheNotFoundError` -- a root (or index) holds no tenantkv cache and the caller did not
   ask to create one (``open(..., create=False)``: every CLI command but ``init``, ``demo`` and
   ``walkthrough``). Nothing was created.
+* :class:`DeploymentError` -- a deployment under test (``tenantkv conformance``) answered a
+  request of the suite with an error, or not at all, so the run could not go on.
 * :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
   ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
 
@@ -114,3 +116,8 @@ class TenantAssertionError(TenantKVError):
 
 class QuotaExceededError(TenantKVError):
     """A store (or a quota) does not fit: the tenant's quota, or the cache's capacity."""
+
+
+class DeploymentError(TenantKVError):
+    """The deployment ``tenantkv conformance`` tests (gateway or backend) failed a request the
+    suite needs: an HTTP error, an answer that is not the OpenAI shape, or no answer."""

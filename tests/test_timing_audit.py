@@ -1,4 +1,5 @@
-"""The timing side-channel audit (``bench/timing_audit.py``) and its KS test (``bench/_ks.py``).
+"""The timing side-channel audit (``bench/timing_audit.py``) and its KS test
+(``tenantkv.conformance.ks``, imported by ``bench/_ks.py``).
 
 Speed is never checked here (machines are noisy; the audit itself is a benchmark). What is
 checked is that the audit cannot pass vacuously: its KS code gives known values, its probes

@@ -22,13 +22,14 @@ from tests.conftest import (  # noqa: F401  (fixtures and hooks shared with the 
     pytest_addoption,
     pytest_generate_tests,
 )
+from tests_engines.hosted import (  # noqa: F401  (the one vllm serve of the session; BLOCK)
+    BLOCK,
+    hosted_stack,
+)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-#: vLLM's CPU backend takes block sizes that are multiples of 32.
-BLOCK = 32
 
 
 def write_tiny_llama(directory: Path, *, seed: int = 0) -> Path:

@@ -2,7 +2,8 @@
 (built from the deployment's configuration file by ``build_gateway``, with the cache's real
 inference keys, served by uvicorn on 127.0.0.1) in front of a real ``vllm serve`` of the CPU
 build (a child process on 127.0.0.1, started with the documented recipe of docs/gateway.md:
-the tenantkv connector by ``--kv-transfer-config`` naming the same file). The model is a tiny
+the tenantkv connector by ``--kv-transfer-config`` naming the same file; the session's one
+stack, tests_engines/hosted.py). The model is a tiny
 random Llama and a byte-level tokenizer written at test time; nothing is downloaded.
 
 vLLM's own prefix cache is ON, as the recipe says to run it: then the gateway's ``cache_salt``
@@ -22,62 +23,29 @@ is the gateway's doing. Each test uses prompts of its own, so none depends on an
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-import tenantkv
-from tenantkv import TenantKV
-from tenantkv.cli.gateway import _authenticator, build_gateway, gateway_options
 from tenantkv.gateway import GatewayIdentity
 from tenantkv.gateway.keyed import cache_salt
 from tenantkv.integrations.engine_identity import ASSERTION_PARAM
-from tenantkv.tenant_assertion import AssertionSigner, public_key_pem
-from tests.doc_recipes import kv_transfer_config, toml_text, vllm_serve_args
-from tests.gateway_stack import serving
-from tests.indexes import Index
-from tests_engines.conftest import BLOCK, write_tiny_llama
-from tests_engines.tiny_tokenizer import write_tiny_tokenizer
+from tenantkv.tenant_assertion import AssertionSigner
+from tests_engines.hosted import AUDIENCE, BLOCK, MODEL, SECRET, Stack
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = "tiny"
-AUDIENCE = "hosted-e2e"
-SECRET = b"g" * 32
 MAX_TOKENS = 6
-#: What the recipe leaves to the deployment, for a tiny float32 model on vLLM's CPU backend.
-CPU_ARGS = [
-    "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
-    "--block-size", str(BLOCK), "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
-    "--enable-prefix-caching",
-]  # fmt: skip
-START_TIMEOUT = 240.0
 
 
-@dataclass
-class Stack:
-    """The running stack and what the tests need to drive it."""
-
-    gateway: str  # base URL of the gateway
-    vllm: str  # base URL of vllm serve (the tests' back door: resets and direct attacks)
-    kv: TenantKV  # the cache, opened by the test process as the admin would
-    signer: AssertionSigner  # the gateway's signing key (to make a "captured" assertion)
-    keys: dict[str, str] = field(default_factory=dict)  # tenant -> inference key
-    log: Path = Path()
+@pytest.fixture
+def stack(hosted_stack: Stack) -> Stack:
+    """The session's one hosted stack (tests_engines/hosted.py)."""
+    return hosted_stack
 
 
 @dataclass
@@ -89,128 +57,6 @@ class Answer:
     logprobs: list[float]
     prompt_tokens: int
     cached: int
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def serve_args(model: Path, port: int, config_file: Path) -> list[str]:
-    """docs/gateway.md's ``vllm serve`` line with this machine's model, address and file, and
-    the CPU flags after it."""
-    args = vllm_serve_args("gateway.md")
-    transfer = kv_transfer_config(args)
-    assert transfer["kv_connector_extra_config"].keys() == {"config_file"}
-    transfer["kv_connector_extra_config"] = {"config_file": str(config_file)}
-    args[0] = str(model)
-    args[args.index("--host") + 1] = "127.0.0.1"
-    args[args.index("--port") + 1] = str(port)
-    args[args.index("--kv-transfer-config") + 1] = json.dumps(transfer)
-    return args + CPU_ARGS
-
-
-def wait_until_healthy(
-    process: subprocess.Popen[bytes],
-    url: str,
-    log: Path,
-    *,
-    probe: str = "/health",
-    name: str = "vllm serve",
-) -> None:
-    """Until ``url + probe`` answers 200 (``name`` for the failure, with its log's tail)."""
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            break
-        try:
-            if httpx.get(url + probe, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-6000:]
-    pytest.fail(f"{name} did not come up (exit {process.poll()}):\n{tail}", pytrace=False)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """End vllm serve and the engine process it started (its own process group)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, index: Index) -> Iterator[Stack]:
-    base = tmp_path_factory.mktemp("hosted")
-    model = write_tiny_tokenizer(write_tiny_llama(base / "tiny-llama"))
-    root = base / "cache"
-    signing = Ed25519PrivateKey.generate()
-    private, public, secret = base / "gateway-key.pem", base / "gateway.pub.pem", base / "secret"
-    private.write_bytes(signing.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
-    public.write_bytes(public_key_pem(signing.public_key()))
-    secret.write_bytes(SECRET)
-    port = free_port()
-    vllm_url = f"http://127.0.0.1:{port}"
-    config_file = base / "tenantkv.toml"  # one file for the cache, the connector, the gateway
-    config_file.write_text(
-        toml_text(
-            {
-                "cache": {"root": str(root), "database_url": index.url(root), "durable": False},
-                "vllm": {
-                    "gateway_public_keys": [str(public)],
-                    "audience": AUDIENCE,
-                    "require_incarnation": True,
-                },
-                "gateway": {
-                    "audience": AUDIENCE,
-                    "backends": [vllm_url],
-                    "secret_file": str(secret),
-                    "signing_key_file": str(private),
-                },
-            }
-        ),
-        encoding="utf-8",
-    )
-    env = {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    log = base / "vllm-serve.log"
-    with tenantkv.open(root, durable=False) as kv, log.open("wb") as out:
-        kv.create_tenant("acme")
-        kv.create_tenant("globex")
-        command = [sys.executable, "-m", "tests_engines.vllm_serve"]
-        command += serve_args(model, port, config_file)
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            wait_until_healthy(process, vllm_url, log)
-            options = gateway_options(str(root), config_file=str(config_file))
-            assert options.backends == (vllm_url,)
-            with serving(build_gateway(kv, options, _authenticator)) as gateway_url:
-                found = Stack(gateway_url, vllm_url, kv, AssertionSigner(signing), log=log)
-                for tenant in ("acme", "globex"):
-                    found.keys[tenant] = kv.inference_keys.create(tenant, "e2e")[1]
-                yield found
-        finally:
-            stop(process)
 
 
 def prompt(tag: str) -> str:

@@ -18,6 +18,7 @@ page's last step stops every process it started (the shell's process group empti
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -267,7 +268,12 @@ def test_every_command_of_the_quickstart_runs_and_its_claims_hold(
     assert info["tenants"].strip() == "2" and int(info["extents"]) > 0, info
     assert int(info["cached_tokens"]) > 0, info
 
-    # step 8 stopped every server the page started: the shell's group holds only the shell
+    # step 8: tenantkv conformance passed (its exit status is checked by the shell's set -e)
+    report = json.loads((qs / "conformance.json").read_text(encoding="utf-8"))
+    assert report["passed"] and report["counts"]["pass"] >= 6, report
+    assert any(line.startswith("PASSED (") for line in everything), everything
+
+    # step 9 stopped every server the page started: the shell's group holds only the shell
     pids = [int(p.read_text()) for p in sorted(qs.glob("*.pid"))]
     assert len(pids) == 3, pids
     shell.process.stdin.close()  # type: ignore[union-attr]

@@ -1,5 +1,5 @@
 """The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
-``audit``, ``db``, ``serve``, ``token``, ``key``, ``config`` and ``gateway``.
+``audit``, ``db``, ``serve``, ``token``, ``key``, ``config``, ``gateway`` and ``conformance``.
 
 Every command takes ``--config FILE`` (or ``TENANTKV_CONFIG``): the configuration file, checked
 whole before the command runs, whose settings the environment overrides and the command's own
@@ -39,6 +39,7 @@ from ..settings_file import CONFIG_ENV
 from .audit import register as register_audit_commands
 from .config import register as register_config_commands
 from .config import validate_file
+from .conformance import register as register_conformance_command
 from .db import register as register_db_commands
 from .gateway import register as register_gateway_commands
 from .keys import register as register_key_commands
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_key_commands(commands)
     register_config_commands(commands)
     register_gateway_commands(commands)
+    register_conformance_command(commands)
 
     walk = commands.add_parser("walkthrough", help="store, look up and load a sample prefix")
     walk.add_argument("root", nargs="?", default=None, help="cache directory (default: a temp dir)")
