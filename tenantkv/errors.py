@@ -24,6 +24,9 @@
   ``walkthrough``). Nothing was created.
 * :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
   ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
+* :class:`JobNotFoundError`, :class:`JobStateError` -- jobs (long operations run apart from
+  the request that started them): no such job, or one that cannot do what was asked (resume a
+  job that did not fail or get interrupted).
 
 Every one is a :class:`TenantKVError`. The leaf packages (``tenantkv.crypto``, ``.storage``,
 ``.audit``) keep their own error types, since they import nothing of tenantkv's; the services
@@ -114,3 +117,12 @@ class TenantAssertionError(TenantKVError):
 
 class QuotaExceededError(TenantKVError):
     """A store (or a quota) does not fit: the tenant's quota, or the cache's capacity."""
+
+
+class JobNotFoundError(TenantKVError):
+    """No job has this id (``tenantkv.services.jobs``)."""
+
+
+class JobStateError(TenantKVError):
+    """The job is not in a state that allows what was asked (only an interrupted or failed job
+    resumes); nothing was changed."""
