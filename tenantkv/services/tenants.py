@@ -327,18 +327,21 @@ def rotate_keys(ctx: CacheContext, name: str, by: Attribution) -> int:
     return version
 
 
-def check_window(since: float | None, until: float | None) -> None:
+def check_window(since: float | None, until: float | None, now: float) -> None:
     """Refuse a window that is empty or shorter than the metering resolution: counters are kept
     per ``BUCKET_SECONDS`` bucket and counted by the bucket's start, so a shorter window would
-    hold no bucket (or one that is mostly outside it) and read as zeros that mean nothing."""
-    if since is not None and until is not None:
-        if since >= until:
-            raise InvalidRequestError("since must be before until")
-        if until - since < BUCKET_SECONDS:
-            raise InvalidRequestError(
-                f"the usage window spans {until - since:g} seconds, less than the metering "
-                f"resolution of {BUCKET_SECONDS} seconds"
-            )
+    hold no bucket (or one that is mostly outside it) and read as zeros that mean nothing.
+    A window without ``until`` ends ``now``."""
+    if since is None:
+        return
+    end = now if until is None else until
+    if until is not None and since >= until:
+        raise InvalidRequestError("since must be before until")
+    if end - since < BUCKET_SECONDS:
+        raise InvalidRequestError(
+            f"the usage window spans {max(end - since, 0.0):g} seconds, less than the metering "
+            f"resolution of {BUCKET_SECONDS} seconds"
+        )
 
 
 def usage(
@@ -349,7 +352,7 @@ def usage(
     until: float | None,
 ) -> UsageReport:
     """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until)."""
-    check_window(since, until)
+    check_window(since, until, ctx.clock())
     ctx.meter.flush(ctx.index)
     with ctx.index.read() as session:
         tenant_id = tenant_rows.id_of(session, name)
@@ -362,7 +365,7 @@ def usage(
 def usage_of_all(ctx: CacheContext, since: float | None, until: float | None) -> list[UsageReport]:
     """Every tenant's metering over one window, by tenant name (tenants with no use in it
     included, at zero): what an operator's usage table shows, read in one query."""
-    check_window(since, until)
+    check_window(since, until, ctx.clock())
     ctx.meter.flush(ctx.index)
     with ctx.index.read() as session:
         names = tenant_rows.names_and_ids(session)

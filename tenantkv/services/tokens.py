@@ -34,7 +34,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -46,17 +46,13 @@ from ..index import api_tokens
 from ..index import tenants as tenant_rows
 from ..index.api_tokens import ApiToken
 from ..index.failures import typed_failures
+from ..token_limits import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS, ROLES, Role
 from .tenants import check_tenant_name
 
-Role = Literal["operator", "tenant-admin", "auditor"]
-ROLES: Final[tuple[Role, ...]] = (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR)
+assert ROLES == (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR), "roles out of step with audit"
 TOKEN_PREFIX: Final = "tkv_"
-MAX_TTL_SECONDS: Final = 366 * 86400.0
 TOKEN_CREATE: Final = "token.create"
 TOKEN_REVOKE: Final = "token.revoke"
-#: Lifetime of the bootstrap operator token and of a recovered one (``tenantkv init
-#: --token-ttl``, ``tenantkv token recover --ttl``): long enough to mint lasting credentials.
-BOOTSTRAP_TTL_SECONDS: Final = 86400.0
 BOOTSTRAP_TURN: Final = "operator-bootstrap"
 _TOKEN = re.compile(r"tkv_[A-Za-z0-9_-]{43}")
 _TOKEN_ID = re.compile(r"[0-9a-f]{16}")
