@@ -43,9 +43,12 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?")
 
 
 def console() -> Console:
+    """stdout's console; a pipe or file gets wide lines (a table cut to 80 columns with
+    ellipses would lose the ids a script or a ticket needs)."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=False)
+    width = None if sys.stdout.isatty() else 240
+    return Console(highlight=False, soft_wrap=False, width=width)
 
 
 @contextlib.contextmanager
