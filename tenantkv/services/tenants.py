@@ -335,11 +335,11 @@ def check_window(since: float | None, until: float | None, now: float) -> None:
     if since is None:
         return
     end = now if until is None else until
-    if until is not None and since >= until:
-        raise InvalidRequestError("since must be before until")
+    if since >= end:
+        raise InvalidRequestError(f"since must be before {'now' if until is None else 'until'}")
     if end - since < BUCKET_SECONDS:
         raise InvalidRequestError(
-            f"the usage window spans {max(end - since, 0.0):g} seconds, less than the metering "
+            f"the usage window spans {end - since:g} seconds, less than the metering "
             f"resolution of {BUCKET_SECONDS} seconds"
         )
 
