@@ -20,7 +20,6 @@ from tenantkv.integrations.engine_identity import (
     EngineNamespaces,
 )
 from tenantkv.server.app import create_app
-from tests.test_server import finished_job
 from tenantkv.server.settings import Settings
 from tenantkv.tenant_assertion import (
     DEFAULT_CLOCK_SKEW,
@@ -31,6 +30,7 @@ from tenantkv.tenant_assertion import (
     TenantAssertion,
 )
 from tests.helpers import MHA_SMALL, ManualClock, random_layers, random_tokens
+from tests.test_server import finished_job
 
 NOW = 1_800_000_000.0
 TOKENS = random_tokens(96)
