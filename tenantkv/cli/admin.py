@@ -135,7 +135,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
             reports = kv.usage_of_all(since=since, until=until)
         else:
             reports = [kv.usage(args.tenant, since=since, until=until, scope=args.scope)]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "tenant": r.tenant,
             "scope": r.scope,

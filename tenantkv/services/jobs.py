@@ -287,8 +287,8 @@ class JobService:
                 "now is another one)"
             )
         if kind == "purge":
-            report = purge.purge(ctx, by, tenant, params.get("scope"), progress)
-            return dict(report.__dict__)
+            purged = purge.purge(ctx, by, tenant, params.get("scope"), progress)
+            return dict(purged.__dict__)
         return reseal.retire_keys(ctx, tenant, by, progress)
 
     def _finish(

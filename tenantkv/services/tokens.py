@@ -46,7 +46,10 @@ from ..index import api_tokens
 from ..index import tenants as tenant_rows
 from ..index.api_tokens import ApiToken
 from ..index.failures import typed_failures
-from ..token_limits import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS, ROLES, Role
+from ..token_limits import BOOTSTRAP_TTL_SECONDS as BOOTSTRAP_TTL_SECONDS
+from ..token_limits import MAX_TTL_SECONDS as MAX_TTL_SECONDS
+from ..token_limits import ROLES as ROLES
+from ..token_limits import Role as Role
 from .tenants import check_tenant_name
 
 assert ROLES == (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR), "roles out of step with audit"
