@@ -10,6 +10,7 @@ bad argument with one sentence and a non-zero exit. Retirement, purge and deleti
 from __future__ import annotations
 
 import argparse
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
@@ -127,10 +128,10 @@ def _cmd_tenant_delete(args: argparse.Namespace) -> int:
 
 
 def _cmd_usage(args: argparse.Namespace) -> int:
+    now = time.time()  # the arguments are checked before the cache is opened (and torch is)
+    since = None if args.since is None else parse_instant(args.since, now)
+    until = None if args.until is None else parse_instant(args.until, now)
     with opened(args.root) as kv:
-        now = kv.now()
-        since = None if args.since is None else parse_instant(args.since, now)
-        until = None if args.until is None else parse_instant(args.until, now)
         if args.tenant is None:
             reports = kv.usage_of_all(since=since, until=until)
         else:

@@ -331,13 +331,13 @@ def check_window(since: float | None, until: float | None, now: float) -> None:
     """Refuse a window that is empty or shorter than the metering resolution: counters are kept
     per ``BUCKET_SECONDS`` bucket and counted by the bucket's start, so a shorter window would
     hold no bucket (or one that is mostly outside it) and read as zeros that mean nothing.
-    A window without ``until`` ends ``now``."""
+    A window without ``until`` runs to ``now`` (one starting later is simply empty so far)."""
     if since is None:
         return
+    if until is not None and since >= until:
+        raise InvalidRequestError("since must be before until")
     end = now if until is None else until
-    if since >= end:
-        raise InvalidRequestError(f"since must be before {'now' if until is None else 'until'}")
-    if end - since < BUCKET_SECONDS:
+    if 0 < end - since < BUCKET_SECONDS:
         raise InvalidRequestError(
             f"the usage window spans {end - since:g} seconds, less than the metering "
             f"resolution of {BUCKET_SECONDS} seconds"
