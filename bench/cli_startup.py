@@ -76,12 +76,15 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="git ref (default: merge-base with main)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    ref = args.baseline or subprocess.run(
-        ["git", "-C", str(ROOT), "merge-base", "HEAD", "main"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    ref = (
+        args.baseline
+        or subprocess.run(
+            ["git", "-C", str(ROOT), "merge-base", "HEAD", "main"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     load = os.getloadavg()
     print(f"cpus {os.cpu_count()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("(a shared, loaded machine: compare the same-run ratios, not the seconds)")
