@@ -43,6 +43,7 @@ from .services.gc import BackgroundGc, GcReport, Progress
 from .services.gc import collect as gc_collect
 from .services.health import HealthReport, check_health
 from .services.inference_keys import InferenceKeyService
+from .services.jobs import JobService
 from .services.namespace import Namespace, open_namespace
 from .services.opening import FirstOpening, check_root, holds_cache, not_found
 from .services.purge import PurgeReport
@@ -71,6 +72,7 @@ class TenantKV:
         self._tokens = TokenService(context)
         self._audit = AuditService(context)
         self._inference_keys = InferenceKeyService(context)
+        self._jobs = JobService(context)
         self._gc: BackgroundGc | None = None
         self._lock = threading.Lock()
         self._coordination = CoordinationThread(context.leases, context.key_epoch)
@@ -111,6 +113,12 @@ class TenantKV:
         """Keys of inference traffic: mint, list, revoke, authenticate
         (``services/inference_keys.py``)."""
         return self._inference_keys
+
+    @property
+    def jobs(self) -> JobService:
+        """Long operations (retirement, purge, deletion, GC) as jobs with progress, kept in the
+        index (``services/jobs.py``)."""
+        return self._jobs
 
     @property
     def audit(self) -> AuditService:
@@ -211,21 +219,25 @@ class TenantKV:
     def list_tenants(self) -> list[TenantInfo]:
         return tenants.list_tenants(self._open())
 
-    def delete_tenant(self, name: str, *, by: Attribution | None = None) -> None:
+    def delete_tenant(
+        self, name: str, *, by: Attribution | None = None, progress: Progress | None = None
+    ) -> None:
         """Crypto-shred a tenant: its keys and index rows go in one transaction, then its bytes.
 
         Its running loads end before their next layer (``LoadRevokedError``). The index's files
         are scrubbed of the destroyed keys; when a reader's snapshot prevents that, it is logged
         and shown in ``health_counters()`` (``scrub_pending``) until a GC run finishes it."""
         ctx = self._open()
-        tenants.delete_tenant(ctx, name, by or ctx.attribution)
+        tenants.delete_tenant(ctx, name, by or ctx.attribution, progress)
 
     def rotate_keys(self, name: str, *, by: Attribution | None = None) -> int:
         """New writes of ``name`` use a new data-key version (returned); old ones stay readable."""
         ctx = self._open()
         return tenants.rotate_keys(ctx, name, by or ctx.attribution)
 
-    def retire_keys(self, name: str, *, by: Attribution | None = None) -> dict[str, Any]:
+    def retire_keys(
+        self, name: str, *, by: Attribution | None = None, progress: Progress | None = None
+    ) -> dict[str, Any]:
         """Re-seal every extent sealed with an old key version under the current one, then
         destroy the old versions that nothing uses any more.
 
@@ -234,15 +246,21 @@ class TenantKV:
         the destroyed keys may still be in the index's files (see ``delete_tenant``).
         """
         ctx = self._open()
-        return reseal.retire_keys(ctx, name, by or ctx.attribution)
+        return reseal.retire_keys(ctx, name, by or ctx.attribution, progress)
 
     def purge(
-        self, name: str, *, scope: str | None = None, by: Attribution | None = None
+        self,
+        name: str,
+        *,
+        scope: str | None = None,
+        by: Attribution | None = None,
+        progress: Progress | None = None,
     ) -> PurgeReport:
         """Remove every cached prefix of ``name`` (of ``scope`` only, if given), keeping the
-        tenant and its keys; extents a running load reads are skipped and counted."""
+        tenant and its keys; extents a running load reads are skipped and counted.
+        ``progress(done, total)`` follows the removal of the files."""
         ctx = self._open()
-        return purge.purge(ctx, by or ctx.attribution, name, scope)
+        return purge.purge(ctx, by or ctx.attribution, name, scope, progress)
 
     def usage(
         self,
@@ -252,8 +270,18 @@ class TenantKV:
         until: float | None = None,
         scope: str | None = None,
     ) -> UsageReport:
-        """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until)."""
+        """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until).
+
+        A window shorter than the metering resolution (60-second buckets) is refused with
+        InvalidRequestError: it would hold no bucket and read as zeros."""
         return tenants.usage(self._open(), name, scope, since, until)
+
+    def usage_of_all(
+        self, *, since: float | None = None, until: float | None = None
+    ) -> list[UsageReport]:
+        """Every tenant's metering over one window (by name; unused tenants at zero), with
+        the same window rules as :meth:`usage`."""
+        return tenants.usage_of_all(self._open(), since, until)
 
     # ---- the store ----------------------------------------------------------------------------
 

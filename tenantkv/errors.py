@@ -26,6 +26,9 @@
   request of the suite with an error, or not at all, so the run could not go on.
 * :class:`SchemaVersionError` -- the index's schema is not this version's: older (run
   ``tenantkv db upgrade``) or newer (tenantkv does not downgrade). Nothing was changed.
+* :class:`JobNotFoundError`, :class:`JobStateError` -- jobs (long operations run apart from
+  the request that started them): no such job, or one that cannot do what was asked (resume a
+  job that did not fail or get interrupted).
 
 Every one is a :class:`TenantKVError`. The leaf packages (``tenantkv.crypto``, ``.storage``,
 ``.audit``) keep their own error types, since they import nothing of tenantkv's; the services
@@ -121,3 +124,12 @@ class QuotaExceededError(TenantKVError):
 class DeploymentError(TenantKVError):
     """The deployment ``tenantkv conformance`` tests (gateway or backend) failed a request the
     suite needs: an HTTP error, an answer that is not the OpenAI shape, or no answer."""
+
+
+class JobNotFoundError(TenantKVError):
+    """No job has this id (``tenantkv.services.jobs``)."""
+
+
+class JobStateError(TenantKVError):
+    """The job is not in a state that allows what was asked (only an interrupted or failed job
+    resumes); nothing was changed."""

@@ -436,10 +436,14 @@ def test_usage_of_adjacent_windows_adds_up(cache: TenantKV, clock: ManualClock) 
     def misses(since: float, until: float) -> int:
         return cache.usage("a", since=since, until=until).counters["miss_tokens"]
 
-    whole = misses(t0, t0 + 60)
+    whole = misses(t0, t0 + 120)
     assert whole == 64  # positive control
-    assert misses(t0, t0 + 30) + misses(t0 + 30, t0 + 60) == whole
-    assert misses(t0 + 30, t0 + 30) == 0
+    assert misses(t0, t0 + 60) + misses(t0 + 60, t0 + 120) == whole
+    # Under a bucket a window would read zeros that mean nothing: refused, naming the bucket.
+    with pytest.raises(InvalidRequestError, match="metering resolution of 60 seconds"):
+        misses(t0, t0 + 30)
+    with pytest.raises(InvalidRequestError, match="since must be before until"):
+        misses(t0 + 30, t0 + 30)
 
 
 def test_evictions_are_metered_in_the_scope_of_the_evicted_extent(

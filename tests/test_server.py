@@ -74,6 +74,22 @@ def api_fixture(tmp_path: Path, index: Index) -> Iterator[Api]:
         kv.close()
 
 
+def finished_job(
+    client: TestClient, started: httpx.Response, headers: dict[str, str]
+) -> dict[str, Any]:
+    """The job a 202 answer started, polled at its ``Location`` until it ends."""
+    assert started.status_code == 202, started.text
+    location = started.headers["Location"]
+    assert location == f"/v1/jobs/{started.json()['id']}"
+    deadline = time.monotonic() + 60
+    while True:
+        job = client.get(location, headers=headers).json()
+        if job["state"] in ("succeeded", "failed", "interrupted"):
+            return dict(job)
+        assert time.monotonic() < deadline, f"job still {job['state']}"
+        time.sleep(0.01)
+
+
 def store_some(kv: TenantKV, tenant: str, scope: str | None = None, seed: int = 0) -> list[int]:
     ns = kv.namespace(tenant, model="m", layout=MLA_SMALL, scope=scope)
     tokens = random_tokens(128, seed=seed)
@@ -180,7 +196,8 @@ def test_create_list_get_update_delete(api: Api) -> None:
     )
     assert updated.status_code == 200
     assert updated.json()["quota_bytes"] == 2**21 and updated.json()["retention"]["chat"] == 7200
-    assert c.delete("/v1/tenants/initech", headers=api.operator).status_code == 204
+    deleted = c.delete("/v1/tenants/initech", headers=api.operator)
+    assert finished_job(c, deleted, api.operator)["state"] == "succeeded"
     assert c.get("/v1/tenants/initech", headers=api.operator).status_code == 404
     assert c.delete("/v1/tenants/initech", headers=api.operator).status_code == 404
 
@@ -188,7 +205,9 @@ def test_create_list_get_update_delete(api: Api) -> None:
 def test_delete_crypto_shreds_and_revokes_tenant_tokens(api: Api) -> None:
     store_some(api.kv, "acme")
     assert api.client.get("/v1/tenants/acme", headers=api.acme).status_code == 200
-    assert api.client.delete("/v1/tenants/acme", headers=api.operator).status_code == 204
+    deleted = api.client.delete("/v1/tenants/acme", headers=api.operator)
+    job = finished_job(api.client, deleted, api.operator)
+    assert job["state"] == "succeeded" and job["result"]["extents_removed"] == 1
     assert api.kv.info()["extents"] == 0
     api.kv.create_tenant("acme")  # the same name again: the old admin token must not carry over
     assert api.client.get("/v1/tenants/acme", headers=api.acme).status_code == 401
@@ -257,9 +276,11 @@ def test_rotate_and_retire_keys(api: Api) -> None:
     tokens = store_some(api.kv, "acme")
     rotated = api.client.post("/v1/tenants/acme/keys/rotate", headers=api.acme)
     assert rotated.status_code == 200 and rotated.json() == {"key_version": 2}
-    retired = api.client.post("/v1/tenants/acme/keys/retire", headers=api.acme)
-    assert retired.status_code == 200, retired.text
-    assert retired.json()["retired_versions"] == [1] and retired.json()["resealed"] == 1
+    started = api.client.post("/v1/tenants/acme/keys/retire", headers=api.acme)
+    job = finished_job(api.client, started, api.acme)
+    assert job["state"] == "succeeded" and job["kind"] == "keys.retire", job
+    assert job["result"]["retired_versions"] == [1] and job["result"]["resealed"] == 1
+    assert job["done"] == job["total"] == 1
     ns = api.kv.namespace("acme", model="m", layout=MLA_SMALL)
     assert ns.lookup(tokens) == 128
 
@@ -282,11 +303,12 @@ def test_purge_a_scope_then_the_tenant(api: Api) -> None:
     in_s2 = store_some(api.kv, "acme", scope="s2", seed=2)
     theirs = store_some(api.kv, "globex", scope="s1", seed=1)
     response = api.client.post("/v1/tenants/acme/purge", json={"scope": "s1"}, headers=api.acme)
-    assert response.status_code == 200 and response.json()["extents"] == 1
+    assert finished_job(api.client, response, api.acme)["result"]["extents"] == 1
     s1 = api.kv.namespace("acme", model="m", layout=MLA_SMALL, scope="s1")
     s2 = api.kv.namespace("acme", model="m", layout=MLA_SMALL, scope="s2")
     assert s1.lookup(in_s1) == 0 and s2.lookup(in_s2) == 128
-    assert api.client.post("/v1/tenants/acme/purge", headers=api.acme).json()["extents"] == 1
+    response = api.client.post("/v1/tenants/acme/purge", headers=api.acme)
+    assert finished_job(api.client, response, api.acme)["result"]["extents"] == 1
     assert s2.lookup(in_s2) == 0
     g = api.kv.namespace("globex", model="m", layout=MLA_SMALL, scope="s1")
     assert g.lookup(theirs) == 128  # the other tenant keeps its cache

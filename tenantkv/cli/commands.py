@@ -1,5 +1,11 @@
 """The ``tenantkv`` command line: ``demo``, ``init``, ``info``, ``gc``, ``walkthrough``,
-``audit``, ``db``, ``serve``, ``token``, ``key``, ``config``, ``gateway`` and ``conformance``.
+``audit``, ``db``, ``serve``, ``token``, ``whoami``, ``key``, ``config``, ``gateway``,
+``conformance``, and the admin actions ``tenant``, ``usage``, ``purge``, ``datakey``,
+``capacity`` and ``job`` (docs/cli.md).
+
+A failure is one sentence on stderr and a non-zero exit (2: the request was refused; 1: it
+failed); ``--debug`` shows the traceback instead. The parser and ``--help`` import neither
+torch nor the cache's data path: commands import them when they open a cache.
 
 Every command takes ``--config FILE`` (or ``TENANTKV_CONFIG``): the configuration file, checked
 whole before the command runs, whose settings the environment overrides and the command's own
@@ -19,29 +25,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from .. import (
-    BLOCK_TOKENS,
-    CacheNotFoundError,
-    KVLayout,
-    MasterKeyError,
-    TenantExistsError,
-    TenantKVError,
-    __version__,
-)
-from .. import open as open_cache
+from .. import __version__
 from ..config import check_environment, config_for_root, default_root
-from ..services.gc import text_progress
-from ..services.opening import holds_cache
-from ..services.tokens import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS
+from ..errors import CacheNotFoundError, MasterKeyError, TenantExistsError, TenantKVError
 from ..settings_file import CONFIG_ENV
+from ..token_limits import BOOTSTRAP_TTL_SECONDS, MAX_TTL_SECONDS
+from .admin import register as register_admin_commands
 from .audit import register as register_audit_commands
 from .config import register as register_config_commands
 from .config import validate_file
 from .conformance import register as register_conformance_command
 from .db import register as register_db_commands
 from .gateway import register as register_gateway_commands
+from .jobs import register as register_job_commands
 from .keys import register as register_key_commands
 from .server import register as register_server_commands
 
@@ -62,6 +58,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from .. import open as open_cache
+    from ..services.opening import holds_cache
+
     config = config_for_root(args.root)
     created = not holds_cache(config)
     with open_cache(config) as kv:
@@ -80,6 +79,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from .. import open as open_cache
+
     try:
         with open_cache(config_for_root(args.root), create=False) as kv:
             info = kv.info()
@@ -111,6 +112,11 @@ def _cmd_walkthrough(args: argparse.Namespace) -> int:
 
 
 def _walkthrough(root: str, num_tokens: int, num_layers: int) -> int:
+    import torch  # the one command family here that makes tensors
+
+    from .. import BLOCK_TOKENS, KVLayout
+    from .. import open as open_cache
+
     layout = KVLayout.mla(num_layers, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128_000, (num_tokens,), generator=generator).tolist()
@@ -199,6 +205,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    from .. import open as open_cache
+    from ..services.gc import text_progress
+
     try:
         with open_cache(config_for_root(args.root), create=False) as kv:
             report = kv.gc(orphan_grace=args.orphan_grace, progress=text_progress("gc"))
@@ -216,6 +225,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tenantkv", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tenantkv {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a failure (default: a sentence)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser(
@@ -254,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gc.set_defaults(handler=_cmd_gc)
 
+    register_admin_commands(commands)
+    register_job_commands(commands)
     register_audit_commands(commands)
     register_db_commands(commands)
     register_server_commands(commands)
@@ -293,11 +307,19 @@ def _config_file(argv: Sequence[str] | None) -> str | None:
     return known.config if known.config else None
 
 
+def _sentence(err: BaseException) -> str:
+    """One line about an unexpected failure: its type and first line (a driver's message can
+    run to pages: the statement, the parameters)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command. The configuration file is put in ``TENANTKV_CONFIG`` for the command's
     run (restored after), before the parser is built, so that every default (the root) and
     every settings reader (the cache, the admin server) sees the same file."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
     before = os.environ.get(CONFIG_ENV)
     path = _config_file(argv)
     if path is not None:
@@ -311,8 +333,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 validate_file(path, os.environ)
             return int(args.handler(args))
         except (TenantKVError, MasterKeyError) as err:
+            if debug:
+                raise
             print(f"tenantkv: {err}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print("tenantkv: interrupted", file=sys.stderr)
+            return 130
+        except Exception as err:  # an operator gets a sentence; --debug the traceback
+            if debug:
+                raise
+            print(
+                f"tenantkv: {_sentence(err)} (run with --debug for the traceback)", file=sys.stderr
+            )
+            return 1
     finally:
         if before is None:
             os.environ.pop(CONFIG_ENV, None)

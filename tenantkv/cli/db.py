@@ -13,11 +13,12 @@ import argparse
 from typing import Any
 
 from ..config import config_for_root, default_root, open_key_wrapper
-from ..services.opening import holds_cache, not_found
-from ..services.schema_upgrade import current_state, head_revision, upgrade_index
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
+    from ..services.opening import holds_cache, not_found
+    from ..services.schema_upgrade import upgrade_index
+
     config = config_for_root(args.root)
     if not holds_cache(config):  # a mistyped root: upgrading would create a cache there
         raise not_found(config)
@@ -30,6 +31,8 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
 
 
 def _cmd_current(args: argparse.Namespace) -> int:
+    from ..services.schema_upgrade import current_state, head_revision
+
     config = config_for_root(args.root)
     head = head_revision()
     state = current_state(config)

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..api import TenantKV
 from ..config import config_for_root, default_root
 from ..errors import InvalidRequestError, TenantKVError
 
 if TYPE_CHECKING:  # the gateway needs its extra (fastapi, httpx, xxhash) only when it runs
+    from ..api import TenantKV  # (and the cache its data path, torch: not for --help)
     from ..gateway import GatewaySettings, KeyAuthenticator
 
-AuthenticatorFactory = Callable[[TenantKV], "KeyAuthenticator"]
+AuthenticatorFactory = Callable[["TenantKV"], "KeyAuthenticator"]
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from typing import Any
 
 from ..audit import ROLE_OPERATOR, Attribution
 from ..config import config_for_root, default_root
-from ..errors import TenantKVError
-from ..services.tokens import BOOTSTRAP_TTL_SECONDS, ROLES
+from ..errors import InvalidRequestError, TenantKVError
+from ..token_limits import BOOTSTRAP_TTL_SECONDS, ROLES
 from .audit import _actor
 
 
@@ -72,7 +72,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
     try:
         with open_cache(config_for_root(args.root), create=False) as kv:
-            token = kv.tokens.create(args.role, args.tenant, args.ttl)
+            token = kv.tokens.create(args.role, args.tenant, args.ttl, name=args.name)
     except TenantKVError as err:
         print(f"tenantkv token: {err}", file=sys.stderr)
         return 2
@@ -81,15 +81,75 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
-    from .. import open as open_cache
+    from .output import opened, print_json, table, when
 
-    with open_cache(config_for_root(args.root), create=False) as kv:
-        for info in kv.tokens.listing(args.tenant):
-            state = "revoked" if info.revoked_at is not None else "active"
-            print(
-                f"{info.id}  {info.role:<12}  {info.tenant or '-':<20}  {state}  "
-                f"expires={info.expires_at if info.expires_at is not None else 'never'}"
+    with opened(args.root) as kv:
+        tokens = kv.tokens.listing(args.tenant)
+        now = kv.now()
+    if args.json:
+        print_json(tokens)
+        return 0
+    table(
+        f"{len(tokens)} token(s)",
+        ["id", "name", "role", "tenant", "state", "created", "expires", "minted by"],
+        [
+            (
+                info.id,
+                info.name or "-",
+                info.role,
+                info.tenant or "-",
+                _token_state(info.revoked_at, info.expires_at, now),
+                when(info.created_at),
+                when(info.expires_at) if info.expires_at is not None else "never",
+                info.minted_by or info.created_by,
             )
+            for info in tokens
+        ],
+    )
+    return 0
+
+
+def _token_state(revoked_at: float | None, expires_at: float | None, now: float) -> str:
+    if revoked_at is not None:
+        return "revoked"
+    if expires_at is not None and now >= expires_at:
+        return "expired"
+    return "active"
+
+
+def _cmd_whoami(args: argparse.Namespace) -> int:
+    """Who a token is (id, name, role, tenant, expiry), checked against the index as the admin
+    API would: read from ``--token-file`` or stdin, never from the command line (where other
+    users and shell history would see it)."""
+    from ..services.tokens import AuthError
+    from .output import fields, opened, print_json, when
+
+    if args.token_file == "-":
+        if sys.stdin.isatty():
+            raise InvalidRequestError("give the token on stdin (a pipe) or with --token-file FILE")
+        token = sys.stdin.readline().strip()
+    else:
+        try:
+            token = Path(args.token_file).read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise InvalidRequestError(f"cannot read the token file: {err.strerror}") from None
+    with opened(args.root) as kv:
+        try:
+            principal = kv.tokens.authenticate(token)
+        except AuthError as err:
+            raise InvalidRequestError(f"the token is not valid ({err.reason})") from None
+        info = kv.tokens.describe(principal.token_id)
+    who = {
+        "token_id": principal.token_id,
+        "name": None if info is None else info.name,
+        "role": principal.role,
+        "tenant": principal.tenant,
+        "expires_at": principal.expires_at,
+    }
+    if args.json:
+        print_json(who)
+    else:
+        fields([*list(who.items())[:-1], ("expires", when(principal.expires_at))])
     return 0
 
 
@@ -184,11 +244,21 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     create.add_argument("--role", choices=ROLES, required=True)
     create.add_argument("--tenant", default=None, help="the tenant of a tenant-admin token")
     create.add_argument("--ttl", type=float, default=None, help="lifetime in seconds")
+    create.add_argument("--name", default=None, help="what the token is for (listings, whoami)")
     create.set_defaults(handler=_cmd_token_create)
-    listing = actions.add_parser("list", help="list tokens (ids and metadata, no secrets)")
+    listing = actions.add_parser("list", help="list tokens (ids, names and metadata, no secrets)")
     listing.add_argument("root", nargs="?", default=default_root())
     listing.add_argument("--tenant", default=None)
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.set_defaults(handler=_cmd_token_list)
+    for parent in (actions, commands):
+        whoami = parent.add_parser("whoami", help="who a token is: id, name, role, tenant, expiry")
+        whoami.add_argument("root", nargs="?", default=default_root())
+        whoami.add_argument(
+            "--token-file", default="-", help="a file holding the token (default: stdin)"
+        )
+        whoami.add_argument("--json", action="store_true", help="print JSON")
+        whoami.set_defaults(handler=_cmd_whoami)
     revoke = actions.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("token_id")
     revoke.add_argument("root", nargs="?", default=default_root())

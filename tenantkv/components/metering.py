@@ -19,6 +19,8 @@ from ..index import usage
 from ..index.database import Database
 from ..index.usage import FIELDS
 
+USAGE_FIELDS = FIELDS  # the counters every report has, for the layers above the index
+
 BUCKET_SECONDS = 60
 DEFAULT_HIT_COST: float = CacheConfig.hit_cost  # the default lives in CacheConfig
 
@@ -38,6 +40,12 @@ class UsageReport:
     def cost_units(self) -> float:
         """Misses cost 1 unit per token; tokens served from cache cost ``hit_cost`` each."""
         return self.counters["miss_tokens"] + self.hit_cost * self.counters["served_tokens"]
+
+    @property
+    def hit_ratio(self) -> float | None:
+        """Tokens found cached over tokens looked up (None: nothing was looked up)."""
+        looked_up = self.counters["hit_tokens"] + self.counters["miss_tokens"]
+        return None if looked_up == 0 else self.counters["hit_tokens"] / looked_up
 
     def __getitem__(self, name: str) -> int:
         return self.counters[name]
@@ -90,3 +98,12 @@ def read_usage(
     adjacent windows add up exactly (a window shorter than a bucket may hold none)."""
     with db.read() as session:
         return usage.read(session, tenant_id, scope, since, until)
+
+
+def read_usage_all(
+    db: Database, since: float | None, until: float | None
+) -> dict[bytes, dict[str, int]]:
+    """Every tenant's sums over the buckets starting in ``[since, until)``, by tenant id (a
+    tenant with no bucket in the window is absent)."""
+    with db.read() as session:
+        return usage.read_all(session, since, until)

@@ -66,6 +66,7 @@ class ApiToken(ServerBase):
     revoked_at: Mapped[float | None] = mapped_column(Float)
     tenant_id: Mapped[bytes | None] = mapped_column(LargeBinary(16))  # the tenant's immutable id
     minted_by: Mapped[str | None] = mapped_column(String(32))  # the minting token's id
+    name: Mapped[str | None] = mapped_column(String(128))  # what it is for (listings, whoami)
 
 
 @dataclass(frozen=True)

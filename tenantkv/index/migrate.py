@@ -37,6 +37,7 @@ from ..errors import SchemaVersionError
 from .api_tokens import ServerBase
 from .database import Database
 from .inference_keys import InferenceKey
+from .jobs import Job
 from .migrations.versions.identity_audit_macs import AUDIT_LOG
 from .schema import Base, SchemaInfo
 
@@ -45,6 +46,7 @@ _SCRIPTS: Final = Path(__file__).with_name("migrations")
 LEGACY_SCHEMA_VERSION: Final = "1"
 _METADATA: Final[tuple[MetaData, ...]] = (Base.metadata, ServerBase.metadata, AuditBase.metadata)
 assert InferenceKey.__tablename__ in ServerBase.metadata.tables  # imported for its table
+assert Job.__tablename__ in ServerBase.metadata.tables  # imported for its table
 
 
 def _config(connection: Connection | None = None, audit: AuditLog | None = None) -> Config:

@@ -74,3 +74,20 @@ def read(
         query = query.where(Usage.bucket < until)
     row = session.execute(query).one()
     return {name: int(value) for name, value in zip(FIELDS, row, strict=True)}
+
+
+def read_all(
+    session: Session, since: float | None, until: float | None
+) -> dict[bytes, dict[str, int]]:
+    """Every tenant's sums of the buckets whose start lies in ``[since, until)``, by tenant id:
+    one grouped query, so an operator's table of all tenants costs one round trip."""
+    columns = [func.coalesce(func.sum(getattr(Usage, name)), 0) for name in FIELDS]
+    query = select(Usage.tenant_id, *columns).group_by(Usage.tenant_id)
+    if since is not None:
+        query = query.where(Usage.bucket >= since)
+    if until is not None:
+        query = query.where(Usage.bucket < until)
+    return {
+        bytes(row[0]): {name: int(value) for name, value in zip(FIELDS, row[1:], strict=True)}
+        for row in session.execute(query).all()
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
@@ -13,14 +14,17 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..api import TenantKV
+from ..errors import TenantKVError
 from ..json_logs import configure as configure_logs
 from . import console, errors
 from .body_limit import BodyLimit
 from .gate import AuthGate
 from .metrics import Metrics, RequestMiddleware
 from .refusals import RefusalLog
-from .routers import audit, inference_keys, system, tenants, tokens
+from .routers import audit, inference_keys, jobs, system, tenants, tokens, usage
 from .settings import Settings
+
+logger = logging.getLogger("tenantkv.server")
 
 
 def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
@@ -48,7 +52,8 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.refusals = refusals
     errors.install(app)
-    routers = [module.router for module in (system, tenants, tokens, inference_keys, audit)]
+    modules = (system, tenants, tokens, inference_keys, audit, jobs, usage)
+    routers = [module.router for module in modules]
     for router in routers:
         app.include_router(router)
     public = {"/healthz", "/readyz", app.openapi_url, *console.install(app, title=app.title)}
@@ -65,7 +70,18 @@ def create_app(kv: TenantKV, settings: Settings | None = None) -> FastAPI:
         routes=[route for router in routers for route in router.routes],
     )
     app.add_middleware(RequestMiddleware, metrics=metrics)
+    _recover_jobs(kv)
     return app
+
+
+def _recover_jobs(kv: TenantKV) -> None:
+    """Mark the jobs whose runner died (this server before a restart, among others) as
+    interrupted, so clients polling them learn it and an operator can resume them; an index
+    that cannot be written now leaves that to the next read of each job."""
+    try:
+        kv.jobs.mark_interrupted()
+    except TenantKVError as err:
+        logger.warning("could not check for interrupted jobs at start: %s", err)
 
 
 def _flushing(refusals: RefusalLog) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:

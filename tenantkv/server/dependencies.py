@@ -143,5 +143,7 @@ AuditReader = Annotated[
     Caller, Depends(require_roles(ROLE_OPERATOR, ROLE_AUDITOR, ROLE_TENANT_ADMIN))
 ]
 MetricsReader = Annotated[Caller, Depends(require_roles(ROLE_OPERATOR, ROLE_AUDITOR))]
+#: Operators and tenant-admins (what a route then shows a tenant-admin is its own tenant's only).
+Lister = Annotated[Caller, Depends(require_roles(ROLE_OPERATOR, ROLE_TENANT_ADMIN))]
 TenantCaller = Annotated[Caller, Depends(tenant_access(tenant_admin=True))]
 TenantOperator = Annotated[Caller, Depends(tenant_access(tenant_admin=False))]

@@ -21,6 +21,8 @@ from ..errors import (
     CacheClosedError,
     CacheUnavailableError,
     InvalidRequestError,
+    JobNotFoundError,
+    JobStateError,
     QuotaExceededError,
     TenantExistsError,
     TenantKVError,
@@ -60,6 +62,8 @@ _STATUS: Final[list[tuple[type[Exception], int, str]]] = [
     (QuotaExceededError, 409, "quota_exceeded"),
     (AuditChainError, 409, "audit_chain"),
     (AuditError, 422, "invalid_request"),
+    (JobNotFoundError, 404, "not_found"),
+    (JobStateError, 409, "job_state"),
     (CacheClosedError, 503, "unavailable"),
     (CacheUnavailableError, 503, "unavailable"),
 ]

@@ -8,6 +8,7 @@ without bytes). Extents a running load has pinned are left alone and counted as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,6 +19,23 @@ from ..index import extents
 from ..index import tenants as tenant_rows
 
 CACHE_PURGE: Final = "cache.purge"
+#: ``(done, total)`` after each batch of files removed; what a job reports (``services.jobs``).
+Progress = Callable[[int, int], None]
+#: Files removed between two progress reports.
+REMOVAL_BATCH: Final = 200
+
+
+def remove_in_batches(ctx: CacheContext, ids: list[str], progress: Progress | None) -> int:
+    """Remove the files of ``ids`` (already out of the index), reporting progress per batch;
+    return how many went. A crash midway leaves unindexed files for GC's orphan sweep."""
+    removed = 0
+    if progress is not None:
+        progress(0, len(ids))
+    for start in range(0, len(ids), REMOVAL_BATCH):
+        removed += ctx.remover.remove_bytes(ids[start : start + REMOVAL_BATCH])
+        if progress is not None:
+            progress(min(start + REMOVAL_BATCH, len(ids)), len(ids))
+    return removed
 
 
 @dataclass(frozen=True)
@@ -27,9 +45,16 @@ class PurgeReport:
     skipped_in_use: int
 
 
-def purge(ctx: CacheContext, by: Attribution, tenant: str, scope: str | None) -> PurgeReport:
+def purge(
+    ctx: CacheContext,
+    by: Attribution,
+    tenant: str,
+    scope: str | None,
+    progress: Progress | None = None,
+) -> PurgeReport:
     """Remove every extent of ``tenant`` (of ``scope`` only, if given; ``""`` is the tenant-wide
-    scope); raise TenantNotFoundError if there is no such tenant."""
+    scope); raise TenantNotFoundError if there is no such tenant. ``progress`` follows the
+    removal of the files (the index rows go first, in one transaction)."""
     ctx.runtime.check_open()
     with ctx.index.write() as session:
         # The tenant's row first, like every change to its extents (see quota.lock_tenants).
@@ -60,5 +85,5 @@ def purge(ctx: CacheContext, by: Attribution, tenant: str, scope: str | None) ->
                 },
             ),
         )
-    ctx.remover.remove_bytes(ids)  # bytes second
+    remove_in_batches(ctx, ids, progress)  # bytes second
     return report

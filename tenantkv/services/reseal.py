@@ -10,6 +10,7 @@ referenced blocks only. An extent that fails to open is dropped and recorded as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +42,25 @@ def _data_key(ctx: CacheContext, tenant_id: bytes, version: int) -> bytes:
     return ctx.keys.data_key(tenant_id, version, wrapped)
 
 
-def reseal_tenant(ctx: CacheContext, tenant: str, tenant_id: bytes, current: int) -> ResealOutcome:
+Progress = Callable[[int, int], None]  # (extents handled, extents on old keys)
+
+
+def reseal_tenant(
+    ctx: CacheContext,
+    tenant: str,
+    tenant_id: bytes,
+    current: int,
+    progress: Progress | None = None,
+) -> ResealOutcome:
     with ctx.index.read() as session:
         old_extents = extents.sealed_before(session, tenant_id, current)
     new_key = _data_key(ctx, tenant_id, current)
     resealed = dropped = skipped = 0
-    for extent in old_extents:
+    if progress is not None:
+        progress(0, len(old_extents))
+    for handled, extent in enumerate(old_extents, 1):
+        if progress is not None and handled > 1:
+            progress(handled - 1, len(old_extents))
         with ctx.index.read() as session:  # checked per extent: loads start and end meanwhile
             in_use = bool(ctx.leases.held(session, [extent.id]))
         if in_use:
@@ -61,6 +75,8 @@ def reseal_tenant(ctx: CacheContext, tenant: str, tenant_id: bytes, current: int
             )
             ctx.remover.drop_now(extent.id)
             dropped += 1
+    if progress is not None:
+        progress(len(old_extents), len(old_extents))
     return ResealOutcome(resealed, dropped, skipped)
 
 
@@ -138,15 +154,18 @@ def _reseal_one(ctx: CacheContext, extent: Extent, new_key: bytes, version: int)
     ctx.remover.remove_bytes([extent.id])
 
 
-def retire_keys(ctx: CacheContext, name: str, by: Attribution) -> dict[str, Any]:
+def retire_keys(
+    ctx: CacheContext, name: str, by: Attribution, progress: Progress | None = None
+) -> dict[str, Any]:
     """Re-seal every extent sealed with an old key version under the current one, then
-    destroy the old versions that nothing uses any more (see ``TenantKV.retire_keys``)."""
+    destroy the old versions that nothing uses any more (see ``TenantKV.retire_keys``);
+    ``progress`` follows the extents re-sealed."""
     with ctx.index.read() as session:
         row = tenant_rows.find(session, name)
         if row is None:
             raise TenantNotFoundError(f"no tenant named {name!r}")
         tenant_id, current = row.id, row.current_key_version
-    outcome = reseal_tenant(ctx, name, tenant_id, current)
+    outcome = reseal_tenant(ctx, name, tenant_id, current, progress)
     with ctx.index.write() as session:
         row = tenant_rows.get(session, tenant_id)
         if row is None:

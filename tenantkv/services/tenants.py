@@ -20,7 +20,13 @@ from sqlalchemy.orm import Session
 
 from ..audit import KEYS_ROTATE, TENANT_CREATE, TENANT_DELETE, TENANT_UPDATE, Attribution
 from ..components.context import CacheContext
-from ..components.metering import UsageReport, read_usage
+from ..components.metering import (
+    BUCKET_SECONDS,
+    USAGE_FIELDS,
+    UsageReport,
+    read_usage,
+    read_usage_all,
+)
 from ..errors import InvalidRequestError, QuotaExceededError, TenantExistsError, TenantNotFoundError
 from ..index import api_tokens, capacity, counters, inference_keys
 from ..index import tenants as tenant_rows
@@ -31,6 +37,7 @@ from ..retention import loads as loads_retention
 from ..retention import parse_retention
 from ..storage import StorageError
 from .evictions import discard_evicted
+from .purge import Progress, remove_in_batches
 from .shredding import scrub_after_shredding
 
 logger = logging.getLogger(__name__)
@@ -263,14 +270,16 @@ def list_tenants(ctx: CacheContext) -> list[TenantInfo]:
         return [_info(session, row) for row in tenant_rows.all_by_name(session)]
 
 
-def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
+def delete_tenant(
+    ctx: CacheContext, name: str, by: Attribution, progress: Progress | None = None
+) -> int:
     """Crypto-shred a tenant: keys, index rows, its admin API tokens and its inference keys go
     in one transaction, then the bytes.
 
     The tokens are revoked here, whoever deletes (Python, CLI or HTTP), and in the deletion's
     own transaction: a token minted by a request racing the deletion either committed first
     (and is revoked here) or finds the tenant gone. Returns the number of extents whose files
-    were removed.
+    were removed; ``progress`` follows that removal.
     """
     with ctx.index.write() as session:
         row = _row(session, name, lock=True)
@@ -299,7 +308,7 @@ def delete_tenant(ctx: CacheContext, name: str, by: Attribution) -> int:
     ctx.keys.forget_tenant(tenant_id, namespace_ids)  # running loads of it stop here too
     scrub_after_shredding(ctx, f"deleting tenant {name!r}")
     ctx.meter.forget_tenant(tenant_id)
-    return ctx.remover.remove_bytes(extent_ids)
+    return remove_in_batches(ctx, list(extent_ids), progress)
 
 
 def rotate_keys(ctx: CacheContext, name: str, by: Attribution) -> int:
@@ -318,6 +327,23 @@ def rotate_keys(ctx: CacheContext, name: str, by: Attribution) -> int:
     return version
 
 
+def check_window(since: float | None, until: float | None, now: float) -> None:
+    """Refuse a window that is empty or shorter than the metering resolution: counters are kept
+    per ``BUCKET_SECONDS`` bucket and counted by the bucket's start, so a shorter window would
+    hold no bucket (or one that is mostly outside it) and read as zeros that mean nothing.
+    A window without ``until`` runs to ``now`` (one starting later is simply empty so far)."""
+    if since is None:
+        return
+    if until is not None and since >= until:
+        raise InvalidRequestError("since must be before until")
+    end = now if until is None else until
+    if 0 < end - since < BUCKET_SECONDS:
+        raise InvalidRequestError(
+            f"the usage window spans {end - since:g} seconds, less than the metering "
+            f"resolution of {BUCKET_SECONDS} seconds"
+        )
+
+
 def usage(
     ctx: CacheContext,
     name: str,
@@ -326,6 +352,7 @@ def usage(
     until: float | None,
 ) -> UsageReport:
     """Metering of ``name`` (one ``scope``, or all) for buckets starting in [since, until)."""
+    check_window(since, until, ctx.clock())
     ctx.meter.flush(ctx.index)
     with ctx.index.read() as session:
         tenant_id = tenant_rows.id_of(session, name)
@@ -333,3 +360,18 @@ def usage(
         raise TenantNotFoundError(f"no tenant named {name!r}")
     counters = read_usage(ctx.index, tenant_id, scope, since, until)
     return UsageReport(name, scope, since, until, counters, ctx.config.hit_cost)
+
+
+def usage_of_all(ctx: CacheContext, since: float | None, until: float | None) -> list[UsageReport]:
+    """Every tenant's metering over one window, by tenant name (tenants with no use in it
+    included, at zero): what an operator's usage table shows, read in one query."""
+    check_window(since, until, ctx.clock())
+    ctx.meter.flush(ctx.index)
+    with ctx.index.read() as session:
+        names = tenant_rows.names_and_ids(session)
+    counters = read_usage_all(ctx.index, since, until)
+    zero = dict.fromkeys(USAGE_FIELDS, 0)
+    return [
+        UsageReport(name, None, since, until, counters.get(tenant_id, zero), ctx.config.hit_cost)
+        for tenant_id, name in sorted(names, key=lambda pair: pair[1])
+    ]

@@ -34,7 +34,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -46,20 +46,21 @@ from ..index import api_tokens
 from ..index import tenants as tenant_rows
 from ..index.api_tokens import ApiToken
 from ..index.failures import typed_failures
+from ..token_limits import BOOTSTRAP_TTL_SECONDS as BOOTSTRAP_TTL_SECONDS
+from ..token_limits import MAX_TTL_SECONDS as MAX_TTL_SECONDS
+from ..token_limits import ROLES as ROLES
+from ..token_limits import Role as Role
 from .tenants import check_tenant_name
 
-Role = Literal["operator", "tenant-admin", "auditor"]
-ROLES: Final[tuple[Role, ...]] = (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR)
+assert ROLES == (ROLE_OPERATOR, ROLE_TENANT_ADMIN, ROLE_AUDITOR), "roles out of step with audit"
 TOKEN_PREFIX: Final = "tkv_"
-MAX_TTL_SECONDS: Final = 366 * 86400.0
 TOKEN_CREATE: Final = "token.create"
 TOKEN_REVOKE: Final = "token.revoke"
-#: Lifetime of the bootstrap operator token and of a recovered one (``tenantkv init
-#: --token-ttl``, ``tenantkv token recover --ttl``): long enough to mint lasting credentials.
-BOOTSTRAP_TTL_SECONDS: Final = 86400.0
 BOOTSTRAP_TURN: Final = "operator-bootstrap"
 _TOKEN = re.compile(r"tkv_[A-Za-z0-9_-]{43}")
 _TOKEN_ID = re.compile(r"[0-9a-f]{16}")
+#: A token's name: what it is for, shown in listings and ``whoami`` (never secret).
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class TokenInfo:
     expires_at: float | None
     revoked_at: float | None
     minted_by: str | None = None  # the id of the token that minted it (None: the process/CLI)
+    name: str | None = None  # what it is for (None: made unnamed, or before names existed)
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,21 @@ def _info(row: ApiToken) -> TokenInfo:
         expires_at=row.expires_at,
         revoked_at=row.revoked_at,
         minted_by=row.minted_by,
+        name=row.name,
     )
+
+
+def check_token_name(name: Any) -> str | None:
+    """A token's name as given (None: unnamed): 1 to 128 letters, digits and ``._@-``,
+    starting with a letter or digit."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not _TOKEN_NAME.fullmatch(name):
+        raise InvalidRequestError(
+            "a token name is 1 to 128 letters, digits, '.', '_', '@' or '-', starting with a "
+            "letter or digit"
+        )
+    return name
 
 
 @typed_failures
@@ -178,6 +194,7 @@ class TokenService:
         *,
         by: Attribution | None = None,
         minter: Principal | None = None,
+        name: str | None = None,
     ) -> IssuedToken:
         """Make a token in one write transaction, audited in it (only its hash is stored).
 
@@ -187,14 +204,18 @@ class TokenService:
         (AuthError, or TenantNotFoundError for a tenant that is gone)."""
         with self._ctx.index.write() as session:
             return self._insert(
-                session, role, tenant, ttl_seconds, by or self._ctx.attribution, minter
+                session, role, tenant, ttl_seconds, by or self._ctx.attribution, minter, name=name
             )
 
     def create(
-        self, role: Role, tenant: str | None = None, ttl_seconds: float | None = None
+        self,
+        role: Role,
+        tenant: str | None = None,
+        ttl_seconds: float | None = None,
+        name: str | None = None,
     ) -> str:
         """Make a token as the cache's own process; return it (shown once)."""
-        return self.issue(role, tenant, ttl_seconds).token
+        return self.issue(role, tenant, ttl_seconds, name=name).token
 
     def ensure_first_operator(self, ttl_seconds: float = BOOTSTRAP_TTL_SECONDS) -> str | None:
         """The index's bootstrap operator token, made once per index: a new operator token,
@@ -252,8 +273,10 @@ class TokenService:
         by: Attribution,
         minter: Principal | None,
         purpose: str | None = None,
+        name: str | None = None,
     ) -> IssuedToken:
         checked_role = _check_role(role)
+        checked_name = check_token_name(name)
         ttl = _check_ttl(ttl_seconds)
         tenant_id: bytes | None = None
         if checked_role == ROLE_TENANT_ADMIN:
@@ -281,6 +304,7 @@ class TokenService:
             revoked_at=None,
             tenant_id=tenant_id,
             minted_by=None if minter is None else minter.token_id,
+            name=checked_name,
         )
         api_tokens.add(session, row)
         details: dict[str, Any] = {
@@ -288,6 +312,8 @@ class TokenService:
             "role": checked_role,
             "expires_at": row.expires_at,
         }
+        if checked_name is not None:
+            details["name"] = checked_name
         if purpose is not None:  # the bootstrap, or a recovery on the host
             details["purpose"] = purpose
         self._ctx.audit.append(
@@ -337,6 +363,14 @@ class TokenService:
             if tenant is not None and tenant_id is None:
                 return []
             return [_info(row) for row in api_tokens.listing(session, tenant_id)]
+
+    def describe(self, token_id: str) -> TokenInfo | None:
+        """One token's listing entry (``whoami``), or None if there is no such token."""
+        if not isinstance(token_id, str) or not _TOKEN_ID.fullmatch(token_id):
+            raise InvalidRequestError("a token id is 16 lower-case hex digits")
+        with self._ctx.index.read() as session:
+            row = api_tokens.find(session, token_id)
+            return None if row is None else _info(row)
 
     # ---- authenticating -----------------------------------------------------------------------
 

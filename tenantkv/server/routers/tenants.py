@@ -6,24 +6,25 @@ records (written in the change's transaction) name the caller.
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...audit import ROLE_TENANT_ADMIN
-from ...errors import InvalidRequestError, TenantNotFoundError
+from ...components.metering import UsageReport
+from ...errors import TenantNotFoundError
 from ...services.tenants import TenantInfo
+from ...time_window import parse_instant
 from ..caller import Caller
-from ..dependencies import KV, TenantCaller, TenantOperator, refuse, require_roles
+from ..dependencies import KV, Lister, TenantCaller, TenantOperator, refuse, require_roles
 from ..errors import FORBIDDEN, ApiError
+from .jobs import JobOut, accepted
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
 
 MAX_QUOTA: Final = 2**62
-MAX_TIME: Final = 1e11  # seconds since the epoch; year 5138
 Retention = Annotated[dict[str, float | str], Field(max_length=32)]
-Lister = Annotated[Caller, Depends(require_roles("operator", "tenant-admin"))]
 
 
 class TenantCreate(BaseModel):
@@ -97,6 +98,9 @@ class UsageOut(BaseModel):
     expired_extents: int
     expired_bytes: int
     cost_units: float
+    hit_ratio: float | None = Field(
+        description="hit tokens over tokens looked up (None: no lookups in the window)"
+    )
 
 
 class PurgeRequest(BaseModel):
@@ -152,13 +156,13 @@ def update_tenant(
     return TenantOut.of(info)
 
 
-@router.delete("/{name}", status_code=204)
+@router.delete("/{name}", status_code=202, response_model=JobOut)
 def delete_tenant(name: str, kv: KV, caller: TenantOperator) -> Response:
-    """Crypto-shred the tenant. Its API tokens are revoked in the deletion's own transaction
-    (as on every deletion path; the ``tenant.delete`` record counts them), so no token minted
-    meanwhile survives and a tenant created again under this name inherits no admins."""
-    kv.delete_tenant(name, by=caller.attribution)
-    return Response(status_code=204)
+    """Crypto-shred the tenant, as a job (202; poll ``Location``). Its API tokens are revoked in
+    the deletion's own transaction (as on every deletion path; the ``tenant.delete`` record
+    counts them), so no token minted meanwhile survives and a tenant created again under this
+    name inherits no admins."""
+    return _job(kv, "tenant.delete", name, {}, caller)
 
 
 @router.post("/{name}/keys/rotate", response_model=KeyRotation)
@@ -166,9 +170,42 @@ def rotate_keys(name: str, kv: KV, caller: TenantCaller) -> KeyRotation:
     return KeyRotation(key_version=kv.rotate_keys(name, by=caller.attribution))
 
 
-@router.post("/{name}/keys/retire", response_model=KeyRetirement)
-def retire_keys(name: str, kv: KV, caller: TenantCaller) -> KeyRetirement:
-    return KeyRetirement(**kv.retire_keys(name, by=caller.attribution))
+@router.post("/{name}/keys/retire", status_code=202, response_model=JobOut)
+def retire_keys(name: str, kv: KV, caller: TenantCaller) -> Response:
+    """Re-seal extents on old key versions and destroy those versions, as a job (202); the
+    job's ``result`` is a :class:`KeyRetirement`."""
+    return _job(kv, "keys.retire", name, {}, caller)
+
+
+TimeParam = Annotated[
+    str | None,
+    Query(
+        max_length=64,
+        description="ISO 8601 (UTC if no zone), epoch seconds, or a time ago (7d, 12h)",
+    ),
+]
+
+
+def window(kv: KV, since: str | None, until: str | None) -> tuple[float | None, float | None]:
+    """``since`` and ``until`` as seconds since the epoch (InvalidRequestError, a 422 naming
+    the value, for anything else)."""
+    now = kv.now()
+    return (
+        None if since is None else parse_instant(since, now),
+        None if until is None else parse_instant(until, now),
+    )
+
+
+def usage_out(report: UsageReport) -> UsageOut:
+    return UsageOut(
+        tenant=report.tenant,
+        scope=report.scope,
+        since=report.since,
+        until=report.until,
+        cost_units=report.cost_units,
+        hit_ratio=report.hit_ratio,
+        **report.counters,
+    )
 
 
 @router.get("/{name}/usage", response_model=UsageOut)
@@ -176,31 +213,28 @@ def usage(
     name: str,
     kv: KV,
     caller: TenantCaller,
-    since: Annotated[float | None, Query(ge=0, le=MAX_TIME, allow_inf_nan=False)] = None,
-    until: Annotated[float | None, Query(ge=0, le=MAX_TIME, allow_inf_nan=False)] = None,
+    since: TimeParam = None,
+    until: TimeParam = None,
     scope: Annotated[str | None, Query(max_length=256)] = None,
 ) -> UsageOut:
     """Metering for buckets starting in [since, until); cost units price a miss at 1 per token
-    and a token served from cache at the cache's ``hit_cost``."""
-    if since is not None and until is not None and since >= until:
-        raise InvalidRequestError("since must be before until")
-    report = kv.usage(name, since=since, until=until, scope=scope)
-    return UsageOut(
-        tenant=report.tenant,
-        scope=report.scope,
-        since=report.since,
-        until=report.until,
-        cost_units=report.cost_units,
-        **report.counters,
-    )
+    and a token served from cache at the cache's ``hit_cost``. A window shorter than the
+    metering resolution (60 s) is refused (422)."""
+    start, end = window(kv, since, until)
+    return usage_out(kv.usage(name, since=start, until=end, scope=scope))
 
 
-@router.post("/{name}/purge", response_model=PurgeOut)
+@router.post("/{name}/purge", status_code=202, response_model=JobOut)
 def purge_cache(
     name: str, kv: KV, caller: TenantCaller, body: PurgeRequest | None = None
-) -> PurgeOut:
-    """Drop the tenant's cached prefixes (one scope's if given); the tenant and keys stay."""
-    report = kv.purge(name, scope=body.scope if body else None, by=caller.attribution)
-    return PurgeOut(
-        extents=report.extents, bytes=report.bytes, skipped_in_use=report.skipped_in_use
-    )
+) -> Response:
+    """Drop the tenant's cached prefixes (one scope's if given), as a job (202); the tenant and
+    keys stay. The job's ``result`` is a :class:`PurgeOut`."""
+    scope = body.scope if body else None
+    return _job(kv, "purge", name, {} if scope is None else {"scope": scope}, caller)
+
+
+def _job(kv: KV, kind: str, name: str, params: dict[str, Any], caller: Caller) -> Response:
+    info = kv.jobs.start(kind, name, params, by=caller.attribution)
+    kv.jobs.run_in_background(info.id)
+    return accepted(info)

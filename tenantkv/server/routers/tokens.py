@@ -12,7 +12,7 @@ from ...audit import ROLE_TENANT_ADMIN
 from ...errors import InvalidRequestError
 from ...services.tokens import AuthError, Role, TokenInfo
 from ..caller import Caller
-from ..dependencies import KV, AppSettings, Operator, TenantCaller
+from ..dependencies import KV, AnyRole, AppSettings, Operator, TenantCaller
 from ..errors import UNAUTHORIZED, ApiError
 from ..settings import Settings
 
@@ -25,6 +25,13 @@ _NO_TOKEN = {"error": "not_found", "detail": "no such token"}
 class TenantTokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ttl_seconds: float | None = Field(default=None, gt=0, le=366 * 86400, allow_inf_nan=False)
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]*$",
+        description="what the token is for (listings, whoami)",
+    )
 
 
 class TokenCreate(TenantTokenCreate):
@@ -38,6 +45,7 @@ class TokenCreated(BaseModel):
     role: Role
     tenant: str | None
     expires_at: float | None
+    name: str | None = None
 
 
 class TokenOut(BaseModel):
@@ -49,10 +57,19 @@ class TokenOut(BaseModel):
     expires_at: float | None
     revoked_at: float | None
     minted_by: str | None = Field(default=None, description="id of the token that minted it")
+    name: str | None = None
 
     @classmethod
     def of(cls, info: TokenInfo) -> TokenOut:
         return cls(**info.__dict__)
+
+
+class WhoAmI(BaseModel):
+    token_id: str
+    name: str | None
+    role: Role
+    tenant: str | None
+    expires_at: float | None
 
 
 def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> float | None:
@@ -68,10 +85,12 @@ def _ttl(settings: Settings, caller: Caller, kv: KV, asked: float | None) -> flo
 
 
 def _create(
-    kv: KV, caller: Caller, role: Role, tenant: str | None, ttl: float | None
+    kv: KV, caller: Caller, role: Role, tenant: str | None, ttl: float | None, name: str | None
 ) -> TokenCreated:
     try:
-        issued = kv.tokens.issue(role, tenant, ttl, by=caller.attribution, minter=caller.principal)
+        issued = kv.tokens.issue(
+            role, tenant, ttl, by=caller.attribution, minter=caller.principal, name=name
+        )
     except AuthError:  # the caller's token (or a minter's) was revoked since it was checked
         raise ApiError(401, dict(UNAUTHORIZED), {"WWW-Authenticate": "Bearer"}) from None
     return TokenCreated(
@@ -80,6 +99,7 @@ def _create(
         role=role,
         tenant=tenant,
         expires_at=issued.info.expires_at,
+        name=issued.info.name,
     )
 
 
@@ -93,7 +113,7 @@ def create_tenant_token(
 ) -> TokenCreated:
     """A new tenant-admin token for this tenant (operators, or this tenant's admins)."""
     ttl = _ttl(settings, caller, kv, body.ttl_seconds if body else None)
-    return _create(kv, caller, ROLE_TENANT_ADMIN, name, ttl)
+    return _create(kv, caller, ROLE_TENANT_ADMIN, name, ttl, body.name if body else None)
 
 
 @router.get("/v1/tenants/{name}/tokens", response_model=list[TokenOut])
@@ -115,7 +135,8 @@ def create_token(
     body: TokenCreate, kv: KV, settings: AppSettings, caller: Operator
 ) -> TokenCreated:
     """A token of any role (operators only)."""
-    return _create(kv, caller, body.role, body.tenant, _ttl(settings, caller, kv, body.ttl_seconds))
+    ttl = _ttl(settings, caller, kv, body.ttl_seconds)
+    return _create(kv, caller, body.role, body.tenant, ttl, body.name)
 
 
 @router.get("/v1/tokens", response_model=list[TokenOut])
@@ -128,3 +149,16 @@ def revoke_token(token_id: TokenId, kv: KV, caller: Operator) -> Response:
     if not kv.tokens.revoke(token_id, by=caller.attribution):
         raise ApiError(404, dict(_NO_TOKEN))
     return Response(status_code=204)
+
+
+@router.get("/v1/whoami", response_model=WhoAmI)
+def whoami(kv: KV, caller: AnyRole) -> WhoAmI:
+    """The calling token: its id, name, role, tenant and expiry (any role)."""
+    info = kv.tokens.describe(caller.principal.token_id)
+    return WhoAmI(
+        token_id=caller.principal.token_id,
+        name=None if info is None else info.name,
+        role=caller.principal.role,
+        tenant=caller.principal.tenant,
+        expires_at=caller.principal.expires_at,
+    )
