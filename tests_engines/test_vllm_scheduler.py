@@ -145,6 +145,7 @@ class Setup:
         KV written into every scheduled page and saved. Returns the pages whose load failed.
         ``hooks=False``: the model never asks for its layers (the loads cannot complete)."""
         self.worker.bind_connector_metadata(meta)
+        self.worker.handle_preemptions(meta)
         self.worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
         for index, name in enumerate(LAYERS):
             if hooks:
@@ -159,12 +160,22 @@ class Setup:
         self.worker.clear_connector_metadata()
         return errors
 
-    def step(self, *, compute: bool = False, finished_recving: set[str] | None = None) -> Any:
+    def step(
+        self,
+        *,
+        compute: bool = False,
+        finished_recving: set[str] | None = None,
+        drain: bool = True,
+    ) -> Any:
+        """One scheduler step and its forward pass; ``drain``: wait for the step's background
+        saves before reporting (deterministic tests; ``drain=False`` leaves them running)."""
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         assert isinstance(meta, TenantKVConnectorMetadata)
         errors = self.run_worker(meta, compute=compute)
-        _, done = self.worker.get_finished(set())
+        if drain:
+            self.worker.worker_side.saves.drain()
+        sending, done = self.worker.get_finished(set(output.finished_req_ids))
         recving = set(done or ()) | set(finished_recving or ())
         req_ids = [r.req_id for r in output.scheduled_new_reqs] + list(
             output.scheduled_cached_reqs.req_ids
@@ -177,7 +188,10 @@ class Setup:
             prompt_logprobs_dict={},
             pooler_output=None,
             kv_connector_output=KVConnectorOutput(
-                finished_recving=recving or None, invalid_block_ids=errors
+                finished_sending=sending,
+                finished_recving=recving or None,
+                invalid_block_ids=errors,
+                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
             ),
         )
         self.scheduler.update_from_output(output, runner)
