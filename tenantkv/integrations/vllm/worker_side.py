@@ -172,9 +172,7 @@ class WorkerSide:
                 load.stream.close()
         self._loads.clear()
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished loading). A finished request that was given a save
         (``request_finished`` held its pages) is reported once that save is done."""
         with self._finished_lock:
@@ -212,7 +210,8 @@ class WorkerSide:
             self._with_saves.add(spec.request_id)  # request_finished holds its pages
             if any(p is None for p in pages):
                 self._engine.failed(
-                    "save", RuntimeError("the model skipped save_kv_layer for a layer"),
+                    "save",
+                    RuntimeError("the model skipped save_kv_layer for a layer"),
                     request_id=spec.request_id,
                 )
                 continue
