@@ -204,7 +204,7 @@ class WorkerSide:
             return
         ready = None
         if any(p is not None and p.is_cuda for p in pages):
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()  # the step's writes to the pages come before the gather
         for spec in meta.saves:
             self._with_saves.add(spec.request_id)  # request_finished holds its pages
