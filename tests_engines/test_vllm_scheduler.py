@@ -506,3 +506,31 @@ def test_back_pressure_bounds_the_bytes_of_queued_saves(
     namespace = setup.connector.engine.namespace(RequestTenant("acme", None))
     assert namespace is not None
     assert [namespace.cached_length(p[:96]) for p in prompts] == [96] * 4  # all stored
+
+
+def test_a_preempted_requests_save_finishes_before_the_next_step_reuses_its_pages(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    gate = gate_saves(setup)
+    request = setup.request("first", params(gateway, "globex"))
+    _, meta, _ = setup.step(compute=True, drain=False)
+    (save,) = meta.saves
+    expected = {name: setup.pages[name][list(save.block_ids)].clone() for name in LAYERS}
+    assert setup.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert request.status == RequestStatus.PREEMPTED  # vLLM freed its pages, unasked
+    stepping = threading.Thread(target=lambda: setup.step(compute=True, drain=False))
+    stepping.start()
+    stepping.join(1.0)
+    assert stepping.is_alive()  # handle_preemptions waits for the save before the forward
+    assert setup.worker.worker_side.saves.in_flight("first")
+    gate.set()
+    stepping.join(60)
+    assert not stepping.is_alive()
+    # the save read the pages as the first step left them, not what the next step wrote
+    namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
+    assert namespace is not None and namespace.cached_length(PROMPT[:96]) == 96
+    with namespace.load(PROMPT[:96]) as stream:
+        for index, layer in stream:
+            k, v = layer
+            rows = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
+            assert torch.equal(rows.permute(0, 2, 1, 3), expected[LAYERS[index]])
