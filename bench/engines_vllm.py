@@ -24,8 +24,15 @@ engine, tenantkv's hit against ExampleConnector's hit, and a turn's miss + hit a
 ExampleConnector's (the write policy moves time between the two; ratios of medians, same run);
 a PNG.
 
+tenantkv stores in the background (the store leaves the forward step; the next request for the
+same prefix waits until it is indexed), so its miss is the prefill plus the copy-free hand-off,
+and a hit right after a miss may include the rest of that store.
+
+Engines run in ``--rounds`` passes (default 2), the order reversed every other pass.
+
 Run (in the engine venv, scripts/setup_engines.sh):
-    .venv-engines/bin/python bench/engines_vllm.py [--lengths 256,1024,2048] [--reps 3] [--out DIR]
+    .venv-engines/bin/python bench/engines_vllm.py [--lengths 256,1024,2048] [--reps 3] \
+        [--rounds 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -102,9 +109,13 @@ def worker(spec_path: str) -> None:
     extra_args = {"kv_transfer_params": spec["params"]} if spec.get("params") else None
     sampling = SamplingParams(max_tokens=1, temperature=0, detokenize=False, extra_args=extra_args)
 
-    def ttft(prompt: list[int]) -> tuple[float, int, int]:
+    # no assertion: tenantkv's connector gives the request no cache (no lookup, no save), so
+    # it is a plain prefill in the same engine process, timed beside each miss
+    plain = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+
+    def ttft(prompt: list[int], params: Any = sampling) -> tuple[float, int, int]:
         started = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         return time.perf_counter() - started, out.outputs[0].token_ids[0], out.num_cached_tokens
 
     ttft(list(range(1, 100)))  # warm up: first-call costs are not the connector's
@@ -112,10 +123,16 @@ def worker(spec_path: str) -> None:
     for length in spec["lengths"]:
         times: dict[str, list[float]] = {"miss": [], "hit": []}
         for rep in range(spec["reps"]):
-            base = 1 + (length * 7 + rep * 131) % 2000
+            base = 1 + (length * 7 + rep * 131 + spec.get("round", 0) * 977) % 2000
             prompt = [(base + i * 13) % 4000 + 1 for i in range(length)]
+            in_process = spec["engine"].startswith("tenantkv")
+            other = [(t + 2003) % 4000 + 1 for t in prompt]  # another fresh prompt
+            if in_process and rep % 2 == 1:  # alternate: plain first on odd reps
+                times.setdefault("plain", []).append(ttft(other, plain)[0])
             miss, first, cached_miss = ttft(prompt)
             hit, again, cached_hit = ttft(prompt)
+            if in_process and rep % 2 == 0:
+                times.setdefault("plain", []).append(ttft(other, plain)[0])
             assert cached_miss == 0, f"{spec['engine']}: a fresh prompt hit {cached_miss}"
             expected = (length - 1) // 32 * 32 if spec["engine"] != "none" else 0
             assert cached_hit == expected, f"{spec['engine']}: hit {cached_hit} != {expected}"
@@ -127,9 +144,13 @@ def worker(spec_path: str) -> None:
     os._exit(0)
 
 
-def run_engine(engine: str, model: Path, work: Path, lengths: list[int], reps: int) -> Any:
+def run_engine(
+    engine: str, model: Path, work: Path, lengths: list[int], reps: int, round_: int = 0
+) -> Any:
     spec: dict[str, Any] = {"engine": engine, "model": str(model), "lengths": lengths}
-    spec["reps"] = reps
+    spec["reps"], spec["round"] = reps, round_
+    work = work / f"round-{round_}"
+    work.mkdir(exist_ok=True)
     if engine == "example":
         spec["extra"] = {"shared_storage_path": str(work / "example-store")}
     elif engine.startswith("tenantkv"):
@@ -168,7 +189,7 @@ def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
     fig, ax = pyplot().subplots(figsize=(7, 4))
     for engine in ENGINES:
         for kind, style in (("miss", "--"), ("hit", "-")):
-            if engine == "none" and kind == "hit":
+            if engine not in results or (engine == "none" and kind == "hit"):
                 continue
             medians = [statistics.median(results[engine][str(n)][kind]) * 1000 for n in lengths]
             ax.plot(lengths, medians, style, marker="o", label=f"{engine} {kind}")
@@ -185,6 +206,17 @@ def main() -> None:
 
     parser = bench_parser(__doc__, reps=3, data_dir=False)
     parser.add_argument("--lengths", type=int_list, default="256,1024,2048")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help="engines to run, comma-separated (ratios of engines not run are left out)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="engine passes, the order reversed every other pass (reps per pass = reps)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -196,12 +228,26 @@ def main() -> None:
         print_machine(tmp)
         model = work / "model"
         write_model(model)
-        results = {e: run_engine(e, model, work, lengths, args.reps) for e in ENGINES}
+        # alternate the engines' order from round to round: a drift of the shared machine's
+        # load then weighs on every engine alike
+        results: dict[str, Any] = {}
+        for round_ in range(max(1, args.rounds)):
+            chosen = tuple(e for e in ENGINES if e in args.engines.split(","))
+            order = chosen if round_ % 2 == 0 else tuple(reversed(chosen))
+            for engine in order:
+                got = run_engine(engine, model, work, lengths, args.reps, round_)
+                empty: dict[str, dict[str, list[float]]] = {str(n): {} for n in lengths}
+                merged = results.setdefault(engine, empty)
+                for n in lengths:
+                    for kind, values in got[str(n)].items():
+                        merged[str(n)].setdefault(kind, []).extend(values)
     rows = []
     for n in lengths:
         for engine in ENGINES:
-            for kind in ("miss", "hit"):
-                if engine == "none" and kind == "hit":
+            if engine not in results:
+                continue
+            for kind in ("miss", "hit", "plain"):
+                if kind not in results[engine][str(n)] or (engine == "none" and kind == "hit"):
                     continue
                 values = [v * 1000 for v in results[engine][str(n)][kind]]
                 rows.append((f"{n:>5} tok  {engine:<17} {kind}", values, ""))
@@ -217,16 +263,26 @@ def main() -> None:
         def turn(engine: str) -> float:  # a prompt stored, then reused: miss + hit
             return med(engine, "miss") + med(engine, "hit")
 
-        ratios = {
-            "tenantkv hit/miss": med("tenantkv", "hit") / med("tenantkv", "miss"),
-            "example hit/miss": med("example", "hit") / med("example", "miss"),
-            "tenantkv hit / example hit": med("tenantkv", "hit") / med("example", "hit"),
-            "buffered hit / example hit": med("tenantkv-buffered", "hit") / med("example", "hit"),
-            "tenantkv hit / prefill": med("tenantkv", "hit") / med("none", "miss"),
-            "tenantkv miss / prefill": med("tenantkv", "miss") / med("none", "miss"),
-            "miss+hit: tenantkv / example": turn("tenantkv") / turn("example"),
-            "miss+hit: buffered / example": turn("tenantkv-buffered") / turn("example"),
+        pairs = {  # name: (numerator, denominator), each (engine, kind)
+            "tenantkv hit/miss": (("tenantkv", "hit"), ("tenantkv", "miss")),
+            "example hit/miss": (("example", "hit"), ("example", "miss")),
+            "tenantkv hit / example hit": (("tenantkv", "hit"), ("example", "hit")),
+            "buffered hit / example hit": (("tenantkv-buffered", "hit"), ("example", "hit")),
+            "tenantkv hit / prefill": (("tenantkv", "hit"), ("none", "miss")),
+            "tenantkv miss / prefill": (("tenantkv", "miss"), ("none", "miss")),
+            # the same engine process, plain requests alternating with the misses: robust to
+            # the machine's load drifting between engine processes
+            "tenantkv miss / in-process prefill": (("tenantkv", "miss"), ("tenantkv", "plain")),
+            "tenantkv hit / in-process prefill": (("tenantkv", "hit"), ("tenantkv", "plain")),
         }
+        ratios = {
+            name: med(*top) / med(*bottom)
+            for name, (top, bottom) in pairs.items()
+            if top[0] in results and bottom[0] in results
+        }
+        for name, engine in (("tenantkv", "tenantkv"), ("buffered", "tenantkv-buffered")):
+            if engine in results and "example" in results:
+                ratios[f"miss+hit: {name} / example"] = turn(engine) / turn("example")
         print(f"  {n:>5} tok: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     write_outputs(
         args.out, "engines_vllm", results, lambda png: plot(results, lengths, png), indent=1

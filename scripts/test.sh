@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Lint, type-check, run the test suite, check the package (scripts/check_package.sh), then run
+# Lint, type-check, run the test suite, the GPU check's CPU-only part (scripts/gpu_check.sh),
+# check the package (scripts/check_package.sh), then run
 # the engine tests (vLLM and SGLang in .venv-engines, built here by scripts/setup_engines.sh if
 # missing; about 2 min the first time, then seconds), then the peer benchmark's smoke run
 # (bench/peers/.venv, built by bench/peers/setup.sh if missing; about 1-2 min the first time,
@@ -23,6 +24,13 @@ status=$?
 if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
     exit 1
+fi
+# The GPU check (scripts/gpu_check.sh): without CUDA its CPU-only part (~30 s), so it never rots;
+# TENANTKV_SKIP_GPU_CHECK=1 skips it.
+if [ "${TENANTKV_SKIP_GPU_CHECK:-0}" = 1 ]; then
+    echo "scripts/gpu_check.sh SKIPPED (TENANTKV_SKIP_GPU_CHECK=1)" >&2
+elif ! bash scripts/gpu_check.sh; then
+    [ "$status" -ne 0 ] || status=1
 fi
 # Packaging as a user meets it: the wheel in fresh venvs, bare and with each extra alone (about
 # 2.5 min; TENANTKV_SKIP_PACKAGE_CHECK=1 skips it, e.g. while iterating on a few tests).

@@ -7,6 +7,7 @@ saves from page tensors shaped as vLLM's CPU backend allocates them ([B, H, N, K
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -145,6 +146,7 @@ class Setup:
         KV written into every scheduled page and saved. Returns the pages whose load failed.
         ``hooks=False``: the model never asks for its layers (the loads cannot complete)."""
         self.worker.bind_connector_metadata(meta)
+        self.worker.handle_preemptions(meta)
         self.worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
         for index, name in enumerate(LAYERS):
             if hooks:
@@ -159,12 +161,22 @@ class Setup:
         self.worker.clear_connector_metadata()
         return errors
 
-    def step(self, *, compute: bool = False, finished_recving: set[str] | None = None) -> Any:
+    def step(
+        self,
+        *,
+        compute: bool = False,
+        finished_recving: set[str] | None = None,
+        drain: bool = True,
+    ) -> Any:
+        """One scheduler step and its forward pass; ``drain``: wait for the step's background
+        saves before reporting (deterministic tests; ``drain=False`` leaves them running)."""
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         assert isinstance(meta, TenantKVConnectorMetadata)
         errors = self.run_worker(meta, compute=compute)
-        _, done = self.worker.get_finished(set())
+        if drain:
+            self.worker.worker_side.saves.drain()
+        sending, done = self.worker.get_finished(set(output.finished_req_ids))
         recving = set(done or ()) | set(finished_recving or ())
         req_ids = [r.req_id for r in output.scheduled_new_reqs] + list(
             output.scheduled_cached_reqs.req_ids
@@ -177,7 +189,10 @@ class Setup:
             prompt_logprobs_dict={},
             pooler_output=None,
             kv_connector_output=KVConnectorOutput(
-                finished_recving=recving or None, invalid_block_ids=errors
+                finished_sending=sending,
+                finished_recving=recving or None,
+                invalid_block_ids=errors,
+                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
             ),
         )
         self.scheduler.update_from_output(output, runner)
@@ -385,3 +400,137 @@ def test_the_connectors_cache_keeps_a_longer_window_unless_told(
     )
     assert told.open_options["window"] == 3  # an operator's own window wins
     assert setup.kv.context.runtime.window == max(ENGINE_WINDOW, library_default)  # in use
+
+
+# ---- background saves --------------------------------------------------------------------------
+
+
+def gate_saves(setup: Setup) -> threading.Event:
+    """Hold the worker's background saves until the returned event is set (the real store runs
+    after it): a save stays in flight as long as a test needs."""
+    saves = setup.worker.worker_side.saves
+    real = saves._store
+    gate = threading.Event()
+
+    def gated(job: Any) -> None:
+        assert gate.wait(60), "the test never released the saves"
+        real(job)
+
+    saves._store = gated
+    return gate
+
+
+def free_blocks(setup: Setup) -> int:
+    return int(setup.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def test_a_save_in_flight_keeps_the_finished_requests_pages_until_done(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    gate = gate_saves(setup)
+    setup.request("first", params(gateway, "globex"))
+    _, meta, _ = setup.step(compute=True, drain=False)
+    (save,) = meta.saves
+    expected = {name: setup.pages[name][list(save.block_ids)].clone() for name in LAYERS}
+    setup.scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
+    held = free_blocks(setup)
+    # the next turn of the conversation waits for the save instead of computing the prompt
+    second = setup.request("second", params(gateway, "globex"))
+    for _ in range(2):
+        setup.step(drain=False)
+        assert setup.worker.worker_side.saves.in_flight("first")
+        assert "first" in setup.scheduler.requests  # vLLM still holds its pages
+        assert free_blocks(setup) == held
+        assert second.status == RequestStatus.WAITING and second.num_computed_tokens == 0
+    gate.set()
+    setup.worker.worker_side.saves.drain()
+    _, meta, _ = setup.step()  # reports "first" finished sending, and its save done
+    assert "first" not in setup.scheduler.requests
+    assert meta.loads == []  # the save was reported in this step's output: next step loads
+    _, meta, _ = setup.step()
+    (load,) = meta.loads  # positive control: the owner's next turn hits what was saved
+    assert second.num_computed_tokens == 100
+    for name in LAYERS:
+        assert torch.equal(setup.pages[name][list(load.block_ids)], expected[name])
+    assert setup.worker.worker_side.saves.failed == 0
+
+
+def test_a_failed_background_save_is_counted_and_leaves_nothing_indexed(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    blocks = setup.root / "blocks"
+    blocks.mkdir(exist_ok=True)
+    before = {p for p in blocks.rglob("*") if p.is_file()}
+    aside = setup.root / "blocks.aside"
+    gate = gate_saves(setup)
+    setup.request("first", params(gateway, "globex"))
+    setup.step(compute=True, drain=False)
+    blocks.rename(aside)
+    blocks.write_bytes(b"")  # the block store's directory is gone (a lost mount)
+    degraded = setup.kv.health_counters().get("degraded_store", 0)
+    gate.set()
+    setup.step()
+    assert setup.kv.health_counters().get("degraded_store", 0) == degraded + 1  # counted
+    blocks.unlink()
+    aside.rename(blocks)
+    assert {p for p in blocks.rglob("*") if p.is_file()} == before  # no partial extent
+    namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
+    assert namespace is not None and namespace.cached_length(PROMPT[:96]) == 0
+    # positive control: the same prompt saves once the store is back, and then hits
+    setup.request("again", params(gateway, "globex"))
+    _, meta, _ = setup.step(compute=True)
+    assert [s.request_id for s in meta.saves] == ["again"]
+    assert namespace.cached_length(PROMPT[:96]) == 96
+
+
+def test_back_pressure_bounds_the_bytes_of_queued_saves(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    saves = setup.worker.worker_side.saves
+    job_bytes = 3 * BLOCK * 2 * HEADS * HEAD_DIM * 4 * len(LAYERS)  # 3 blocks, K and V, fp32
+    saves.max_bytes = 2 * job_bytes
+    gate = gate_saves(setup)
+    prompts = [[p + 1000 * i for p in PROMPT] for i in range(4)]
+    for i, prompt in enumerate(prompts):
+        setup.request(f"r{i}", params(gateway, "acme"), prompt)
+    stepping = threading.Thread(target=lambda: setup.step(compute=True, drain=False))
+    stepping.start()
+    stepping.join(1.0)
+    assert stepping.is_alive()  # the step waits: two saves queued fill the bound
+    assert saves.peak_pending_bytes == 2 * job_bytes
+    gate.set()
+    stepping.join(60)
+    assert not stepping.is_alive()
+    saves.drain()
+    assert saves.peak_pending_bytes <= saves.max_bytes and saves.completed == 4
+    namespace = setup.connector.engine.namespace(RequestTenant("acme", None))
+    assert namespace is not None
+    assert [namespace.cached_length(p[:96]) for p in prompts] == [96] * 4  # all stored
+
+
+def test_a_preempted_requests_save_finishes_before_the_next_step_reuses_its_pages(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    gate = gate_saves(setup)
+    request = setup.request("first", params(gateway, "globex"))
+    _, meta, _ = setup.step(compute=True, drain=False)
+    (save,) = meta.saves
+    expected = {name: setup.pages[name][list(save.block_ids)].clone() for name in LAYERS}
+    assert setup.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert request.status == RequestStatus.PREEMPTED  # vLLM freed its pages, unasked
+    stepping = threading.Thread(target=lambda: setup.step(compute=True, drain=False))
+    stepping.start()
+    stepping.join(1.0)
+    assert stepping.is_alive()  # handle_preemptions waits for the save before the forward
+    assert setup.worker.worker_side.saves.in_flight("first")
+    gate.set()
+    stepping.join(60)
+    assert not stepping.is_alive()
+    # the save read the pages as the first step left them, not what the next step wrote
+    namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
+    assert namespace is not None and namespace.cached_length(PROMPT[:96]) == 96
+    with namespace.load(PROMPT[:96]) as stream:
+        for index, layer in stream:
+            k, v = layer
+            rows = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
+            assert torch.equal(rows.permute(0, 2, 1, 3), expected[LAYERS[index]])

@@ -23,8 +23,11 @@ so identical pages of two tenants have unrelated keys and no tenant can address 
 
 **Pages.** A page (all its layers, as SGLang's host pool flattens it) is stored as one opaque
 one-layer block of its dtype; the namespace's layout records the page's size and dtype, and its
-model is SGLang's ``model_name`` (or ``model`` in the extra config). ``batch_get_v1`` and
-``batch_set_v1`` move pages between the store and host-pool indices with one copy each way.
+model is SGLang's ``model_name`` (or ``model`` in the extra config). A batch of pages
+(``batch_set``, ``batch_set_v1``) is stored as one extent (``Namespace.store_pages``: one
+sealing pass, one file, one index transaction), each page still keyed and found on its own.
+``batch_get_v1`` and ``batch_set_v1`` move pages between the store and host-pool indices with
+one copy each way.
 
 **Failures.** A page that fails to open (tampering, corruption; a security event, the extent
 dropped) or whose bytes are gone is a miss (``False``/``None``): SGLang recomputes it. Any other
@@ -230,7 +233,31 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages = values if values is not None else target_locations
         if pages is None:
             return False
-        return all([self.set(key, page) for key, page in zip(keys, pages, strict=True)])
+        return all(self._set_pages(list(keys), list(pages)))
+
+    def _set_pages(self, keys: list[str], pages: list[Any], extra_info: Any = None) -> list[bool]:
+        """Store a batch of pages as one extent; per page, whether it is cached afterwards."""
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        if not pages:
+            return []
+        first = pages[0]
+        if not all(
+            isinstance(p, torch.Tensor) and p.numel() == first.numel() and p.dtype == first.dtype
+            for p in pages
+        ):  # pages of several shapes: each to its own namespace
+            return [self.set(k, p, extra_info=extra_info) for k, p in zip(keys, pages, strict=True)]
+        try:
+            namespace = self._namespace(first, extra_info)
+            if namespace is None:
+                return [False] * len(keys)
+            words = [page_words(key) for key in keys]
+            rows = torch.stack([p.detach().reshape(-1) for p in pages]).to("cpu")
+            namespace.store_pages(words, [rows.reshape(len(pages) * PAGE_WORDS, -1)])
+            return [namespace.cached_length(w) == PAGE_WORDS for w in words]
+        except ENGINE_FAILURES as err:
+            self._errors.failed("set", err, request_id=f"{len(keys)} pages from {keys[0][:16]}")
+            return [False] * len(keys)
 
     def exists(self, key: str, extra_info: Any = None) -> bool:
         try:
@@ -269,12 +296,9 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        """Store the host pool's pages at ``host_indices`` under ``keys``."""
-        return [
-            self.set(
-                key,
-                self.mem_pool_host.get_data_page(self._host_index(host_indices, page), flat=True),
-                extra_info=extra_info,
-            )
-            for page, key in enumerate(keys)
+        """Store the host pool's pages at ``host_indices`` under ``keys``, as one extent."""
+        pages = [
+            self.mem_pool_host.get_data_page(self._host_index(host_indices, page), flat=True)
+            for page in range(len(keys))
         ]
+        return self._set_pages(list(keys), pages, extra_info)

@@ -103,6 +103,50 @@ class NamespaceWrites(NamespaceKeys):
         except (SQLAlchemyError, StorageError) as err:
             return self._ctx.serving.degrade("store", err, 0)
 
+    def store_pages(
+        self, pages: Sequence[Any], layers: Sequence[Any], *, kind: str = DEFAULT_KIND
+    ) -> int:
+        """Store independent one-block prefixes (``pages``: each a block of tokens, keyed on
+        its own) in one extent; returns the tokens newly stored.
+
+        For engines that cache pages under their own hashes rather than as one prompt (SGLang's
+        HiCache hands a batch of pages at once): one extent, one index transaction and one
+        sealing pass per batch instead of per page. ``layers`` covers the pages in order, as
+        for :meth:`store` over ``len(pages) * block_tokens`` tokens. Each page is found again by
+        :meth:`lookup` / :meth:`load` of its own tokens. Pages already cached are skipped; the
+        same failure rules as :meth:`store` apply (nothing indexed unless all of it is).
+        """
+        self._ctx.runtime.check_open()
+        arrays = [as_token_array(page) for page in pages]
+        for array in arrays:
+            if len(array) != self.block_tokens:
+                raise InvalidRequestError(
+                    f"a page must be {self.block_tokens} tokens, got {len(array)}"
+                )
+        rows = self.layout.validate_layers(layers, len(arrays) * self.block_tokens)
+        check_kind(kind)
+        if not arrays:
+            return 0
+        keys = [self._keys(array)[0] for array in arrays]
+        try:
+            settings = self._tenant_settings()
+            if kind not in settings[3]:
+                raise InvalidRequestError(
+                    f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
+                    f"{', '.join(sorted(settings[3]))}"
+                )
+            present = self._present_keys(keys, stop_at_gap=False)
+            positions = []
+            for index, key in enumerate(keys):
+                if key not in present:
+                    present.add(key)  # a page repeated in the batch is stored once
+                    positions.append(index)
+            if not positions:
+                return 0
+            return self._store_blocks(keys, positions, rows, 0, kind, settings)
+        except (SQLAlchemyError, StorageError) as err:
+            return self._ctx.serving.degrade("store", err, 0)
+
     def _present_keys(self, keys: Sequence[BlockKey], *, stop_at_gap: bool) -> set[bytes]:
         """The subset of ``keys`` that is indexed (see ``index.blocks.present_keys``)."""
         with self._ctx.index.read(serving=True) as session:

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..engine_identity import EngineNamespaces
-from .metadata import TenantKVConnectorMetadata
+from .metadata import TenantKVConnectorMetadata, TenantKVWorkerMetadata
 from .scheduler_side import SchedulerSide
 from .settings import ConnectorSettings, layout_of, shared_cache
 from .worker_side import WorkerSide
@@ -74,8 +74,9 @@ class TenantKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler().request_finished(request)
-        return False, None
+        """Hold the pages of a request given a save until the worker reports it finished
+        sending (its background save read them)."""
+        return self._scheduler().request_finished(request), None
 
     # ---- worker side --------------------------------------------------------------------------
 
@@ -109,10 +110,19 @@ class TenantKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker().save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        self._worker().wait_for_save()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        assert meta is None or isinstance(meta, TenantKVConnectorMetadata), type(meta)
+        self._worker().wait_for_save(meta)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        assert isinstance(kv_connector_metadata, TenantKVConnectorMetadata)
+        self._worker().handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker().get_finished()
+        return self._worker().get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self) -> TenantKVWorkerMetadata | None:
+        return self._worker().worker_metadata()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from ..engine_identity import RequestTenant
 
@@ -40,5 +43,22 @@ class SaveSpec:
 
 @dataclass
 class TenantKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """``preempted``: requests vLLM preempted this step; their pages may be overwritten by the
+    coming forward step, so the worker finishes their saves first (``handle_preemptions``)."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
+
+
+@dataclass
+class TenantKVWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the worker tells the scheduler side each step: the requests whose background saves
+    finished (stored or failed), so that lookups waiting for them go on."""
+
+    saved: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """One worker per engine (the connector stores whole layers): the union."""
+        assert isinstance(other, TenantKVWorkerMetadata), f"foreign worker metadata {type(other)}"
+        return TenantKVWorkerMetadata(self.saved | other.saved)

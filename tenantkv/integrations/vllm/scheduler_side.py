@@ -12,6 +12,14 @@ of the cache (a token id out of range, an index outage, a closed cache) gives th
 cache -- computed as without a connector, nothing loaded or saved -- and is counted
 (``EngineNamespaces.failed``).
 
+Saves run in the background on the worker (``worker_side``). A waiting request whose prompt
+starts like a prompt still being saved for the same owner is answered "not yet" (``None``: vLLM
+asks again next step) until the worker reports that save done, so a conversation's next turn
+loads what its previous turn stored instead of computing it again. A save the worker never
+reports (a lost worker) stops holding lookups after ``SAVE_WAIT_LIMIT`` seconds.
+``request_finished`` holds the pages of a request given a save until the worker reports it
+finished sending.
+
 The prompt's last token is never reported as cached (vLLM must compute at least one token), and
 hits are whole blocks: the namespace's block size is vLLM's ``block_size``, so tenantkv's
 blocks and vLLM's pages coincide.
@@ -20,14 +28,28 @@ blocks and vLLM's pages coincide.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...services.namespace import Namespace
 from ..engine_identity import ENGINE_FAILURES, EngineNamespaces, RequestTenant
-from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata
+from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata, TenantKVWorkerMetadata
 
 logger = logging.getLogger("tenantkv")
+
+#: Seconds a lookup waits at most for a save of the same prefix the worker has not reported.
+SAVE_WAIT_LIMIT = 30.0
+
+
+@dataclass(frozen=True)
+class _PendingSave:
+    """A save handed to the worker and not reported done: its owner, the tokens of its first
+    block (what a prompt that would find it starts with) and when it was handed over."""
+
+    owner: RequestTenant
+    first_block: tuple[int, ...]
+    since: float
 
 
 @dataclass
@@ -43,6 +65,7 @@ class _Tracked:
     external_tokens: int = 0
     load_failed: bool = False
     saved: bool = False
+    save_sent: bool = False  # a SaveSpec went to the worker: its pages are held at the end
 
 
 class SchedulerSide:
@@ -52,6 +75,19 @@ class SchedulerSide:
         self._async = load_async
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._pending_saves: dict[str, _PendingSave] = {}
+
+    def _save_pending_for(self, tracked: _Tracked) -> bool:
+        """Whether a save the worker has not finished could extend this prompt's hit."""
+        now = time.monotonic()
+        first = tracked.prompt[: self._block]
+        for rid, pending in list(self._pending_saves.items()):
+            if now - pending.since > SAVE_WAIT_LIMIT:
+                logger.warning("tenantkv save of request %s not reported; lookups go on", rid)
+                del self._pending_saves[rid]
+            elif pending.owner == tracked.owner and pending.first_block == first:
+                return True
+        return False
 
     def _track(self, request: Any) -> _Tracked:
         tracked = self._requests.get(request.request_id)
@@ -70,10 +106,12 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         tracked = self._track(request)
         if tracked.namespace is None or len(tracked.prompt) < 2:
             return 0, False
+        if self._pending_saves and self._save_pending_for(tracked):
+            return None, False  # asked again next step, once the save is indexed
         # Look the prompt's full blocks up (so a later save knows what is cached), but never
         # report the block holding the last prompt token: vLLM must compute at least one.
         full = len(tracked.prompt) // self._block * self._block
@@ -115,7 +153,10 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> TenantKVConnectorMetadata:
-        meta = TenantKVConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = TenantKVConnectorMetadata(
+            loads=list(self._pending_loads.values()),
+            preempted=frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+        )
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -151,6 +192,10 @@ class SchedulerSide:
         start = min(tracked.cached, full) // self._block
         if start * self._block >= full:
             return  # all cached already
+        tracked.save_sent = True
+        self._pending_saves[req_id] = _PendingSave(
+            tracked.owner, tracked.prompt[: self._block], time.monotonic()
+        )
         meta.saves.append(
             SaveSpec(
                 req_id,
@@ -162,7 +207,12 @@ class SchedulerSide:
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Note requests whose loaded blocks failed (vLLM recomputes them): a miss to meter."""
+        """Note the saves the worker finished, and requests whose loaded blocks failed (vLLM
+        recomputes them): a miss to meter."""
+        worker = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker, TenantKVWorkerMetadata):
+            for rid in worker.saved:
+                self._pending_saves.pop(rid, None)
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
@@ -174,13 +224,15 @@ class SchedulerSide:
                 tracked.cached = 0
                 tracked.saved = False
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any) -> bool:
+        """Meter the request; True (hold its pages) if the worker was given its save."""
         tracked = self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         if tracked is None or tracked.namespace is None:
-            return
+            return tracked is not None and tracked.save_sent
         hit = 0 if tracked.load_failed else tracked.external_tokens
         try:
             tracked.namespace.record_request(hit, max(0, len(tracked.prompt) - hit))
         except Exception as err:  # metering must never fail the engine
             logger.warning("could not meter request %s: %s", request.request_id, err)
+        return tracked.save_sent

@@ -7,15 +7,19 @@ layer, and saves computed prompts from it.
   it into the request's pages, so layer ``i`` computes while layers ``i + 1 ...`` are read.
 * **Async loads** (``load_async``): the whole load runs on a background thread between steps;
   ``get_finished`` reports the request once every layer is in its pages.
-* **Saves**: ``save_kv_layer``, called after each attention layer, copies the new prompt
-  blocks' rows of that layer out of the pages; ``wait_for_save`` stores the request through
-  ``Namespace.store(start=)`` once all layers are in (sealed layer-parallel on tenantkv's
-  workers). The rows are copies, so vLLM may reuse the pages at once.
+* **Saves** leave the forward step: ``save_kv_layer`` only notes each layer's pages, and
+  ``wait_for_save`` queues the request's save (``saves.BackgroundSaves``: one thread gathers the
+  new blocks' rows from the pages and stores them through ``Namespace.store(start=)``). vLLM
+  keeps the pages until the save is done: a finished request's through ``delay_free_blocks``
+  and ``get_finished`` (finished sending), a preempted one's through ``handle_preemptions``,
+  which waits for its save before the next step may overwrite them. The queue is bounded in
+  bytes (back-pressure on the step).
 * **Failures**: a load that finds its prefix gone, a segment that fails to open (a security
   event, the extent dropped), a revoked key or an I/O error: the request's loaded pages are
   reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
   ``kv_load_failure_policy="recompute"``). Never wrong data, never a failed request. A failed
-  save is logged; the next request simply misses.
+  save is counted (``BackgroundSaves.failed``, the ``engine_errors`` health counter) and
+  leaves nothing indexed; the next request simply misses.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from ...datapath.loader import LoadStream
 from ...errors import TenantKVError
 from ...layout import KVLayout, Layer
 from ..engine_identity import EngineNamespaces
-from ..paged_kv import gather_layer, scatter_layer
-from .metadata import LoadSpec, SaveSpec, TenantKVConnectorMetadata
+from ..paged_kv import scatter_layer
+from .metadata import LoadSpec, TenantKVConnectorMetadata, TenantKVWorkerMetadata
+from .saves import DEFAULT_MAX_PENDING_BYTES, BackgroundSaves, SaveJob
 
 logger = logging.getLogger("tenantkv")
 
@@ -43,13 +48,6 @@ class _Load:
     spec: LoadSpec
     stream: LoadStream | None
     written: int = 0  # layers written into the pages
-
-
-@dataclass
-class _Save:
-    spec: SaveSpec
-    layers: list[Layer | None]
-    failed: bool = False
 
 
 @dataclass
@@ -73,13 +71,22 @@ class _Failures:
 
 
 class WorkerSide:
-    def __init__(self, engine: EngineNamespaces, layer_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: EngineNamespaces,
+        layer_names: list[str],
+        *,
+        max_pending_save_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> None:
         self._engine = engine
         self._layout: KVLayout = engine.layout
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._loads: list[_Load] = []
-        self._saves: list[_Save] = []
+        self._save_pages: list[torch.Tensor | None] = [None] * len(layer_names)
+        self.saves = BackgroundSaves(engine, engine.layout, max_bytes=max_pending_save_bytes)
+        self._with_saves: set[str] = set()  # requests given a save (their pages are held)
+        self._finished_saving: set[str] = set()  # finished requests whose saves still run
         self._failures = _Failures()
         self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-vllm-load")
         self._finished_lock = threading.Lock()
@@ -165,10 +172,16 @@ class WorkerSide:
                 load.stream.close()
         self._loads.clear()
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending, finished loading). A finished request that was given a save
+        (``request_finished`` held its pages) is reported once that save is done."""
         with self._finished_lock:
             done, self._finished_loads = self._finished_loads, set()
-        return None, done or None
+        self._finished_saving |= finished_req_ids & self._with_saves
+        sent = {rid for rid in self._finished_saving if not self.saves.in_flight(rid)}
+        self._finished_saving -= sent
+        self._with_saves -= sent
+        return sent or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._failures.take()
@@ -178,40 +191,45 @@ class WorkerSide:
     def save_kv_layer(
         self, meta: TenantKVConnectorMetadata, layer_name: str, kv_layer: Any
     ) -> None:
+        """Note the layer's pages; nothing is copied in the forward step."""
         index = self._layer_index.get(layer_name)
-        if index is None or not meta.saves:
-            return
-        if not self._saves:
-            self._saves = [_Save(spec, [None] * len(self._layer_index)) for spec in meta.saves]
-        for save in self._saves:
-            spec = save.spec
-            try:
-                save.layers[index] = gather_layer(
-                    kv_layer, spec.block_ids[spec.start_block :], self._layout
-                )
-            except TenantKVError as err:
-                logger.warning("tenantkv could not copy request %s: %s", spec.request_id, err)
-                save.failed = True
+        if index is not None and meta.saves:
+            self._save_pages[index] = kv_layer
 
-    def wait_for_save(self) -> None:
-        saves, self._saves = self._saves, []
+    def wait_for_save(self, meta: TenantKVConnectorMetadata | None) -> None:
+        """Queue this step's saves (waiting only while the queue is over its byte bound)."""
         self._close_loads()  # a step whose model skipped layers must not keep streams open
-        for save in saves:
-            if save.failed or any(layer is None for layer in save.layers):
-                continue
-            spec = save.spec
-            namespace = self._engine.namespace(spec.owner)
-            if namespace is None:
-                continue
-            try:
-                namespace.store(
-                    list(spec.token_ids),
-                    save.layers,
-                    start=spec.start_block * self._engine.block_tokens,
+        pages, self._save_pages = self._save_pages, [None] * len(self._layer_index)
+        if meta is None or not meta.saves:
+            return
+        ready = None
+        if any(p is not None and p.is_cuda for p in pages):
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()  # the step's writes to the pages come before the gather
+        for spec in meta.saves:
+            self._with_saves.add(spec.request_id)  # request_finished holds its pages
+            if any(p is None for p in pages):
+                self._engine.failed(
+                    "save",
+                    RuntimeError("the model skipped save_kv_layer for a layer"),
+                    request_id=spec.request_id,
                 )
-            except TenantKVError as err:
-                logger.warning("tenantkv could not store request %s: %s", spec.request_id, err)
+                continue
+            blocks = len(spec.block_ids) - spec.start_block
+            nbytes = blocks * self._engine.block_tokens * self._layout.token_bytes * len(pages)
+            self.saves.submit(SaveJob(spec, [p for p in pages if p is not None], nbytes, ready))
+
+    def handle_preemptions(self, meta: TenantKVConnectorMetadata) -> None:
+        """Before the step that may overwrite a preempted request's freed pages: finish its
+        save from them."""
+        if meta.preempted:
+            self.saves.wait_for(set(meta.preempted))
+
+    def worker_metadata(self) -> TenantKVWorkerMetadata | None:
+        saved = self.saves.take_done()
+        return TenantKVWorkerMetadata(saved) if saved else None
 
     def shutdown(self) -> None:
         self._close_loads()
         self._async_pool.shutdown(wait=True)
+        self.saves.shutdown()
