@@ -173,7 +173,11 @@ def test_tokens_have_names_and_whoami_says_who(
         (["usage", "ROOT", "--since", "7x"], {}, "'7x' is not a point in time"),
         (["tenant", "create", "x", "ROOT", "--quota", "-1"], {}, "'-1' is not a size"),
         (["tenant", "list", str(Path("/nonexistent/cache"))], {}, "does not exist"),
-        (["tenant", "list", "ROOT"], {"TENANTKV_DATABASE_URL": "mysql://db/x"}, "scheme mysql:// is not supported"),
+        (
+            ["tenant", "list", "ROOT"],
+            {"TENANTKV_DATABASE_URL": "mysql://db/x"},
+            "scheme mysql:// is not supported",
+        ),
         (
             ["tenant", "list", "ROOT"],
             {"TENANTKV_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/x"},
