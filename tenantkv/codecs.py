@@ -133,7 +133,8 @@ def _hadamard(size: int, device: torch.device) -> torch.Tensor:
         matrix = torch.cat(
             (torch.cat((matrix, matrix), dim=1), torch.cat((matrix, -matrix), dim=1)), dim=0
         )
-    return (matrix / size**0.5).to(device)
+    scaled: torch.Tensor = matrix / float(size) ** 0.5
+    return scaled.to(device)
 
 
 class _Int4Part(_Part):
