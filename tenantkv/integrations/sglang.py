@@ -7,6 +7,10 @@ Start SGLang with ``--hicache-storage-backend dynamic`` and the extra config::
      "root": "/var/lib/tenantkv", "gateway_public_keys": ["/etc/tenantkv/gateway.pub.pem"],
      "assertion_file": "/run/tenantkv/assertion"}
 
+``"codec"`` in the extra config (``"none"``, the default; ``"fp8"``, ``"int4"``; see
+``tenantkv.codecs``) stores pages coded: a page is one opaque block, so a lossy codec scales each
+page as a whole, and loses precision where its layers' magnitudes differ widely (docs/perf.md).
+
 **Identity.** SGLang's storage calls carry no request: only page hashes (``keys``) and, at best,
 the hashes before them. So the tenant of an SGLang server is its deployment's: a signed tenant
 assertion (``tenantkv.tenant_assertion``) that the gateway or a sidecar keeps fresh in
@@ -45,6 +49,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from ..codecs import codec
 from ..errors import TenantAssertionError, TenantKVError
 from ..layout import KVLayout
 from ..services.namespace import Namespace
@@ -87,6 +92,9 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             require_incarnation=extra.get("require_incarnation", False),
         )
         self._model = str(extra.get("model") or storage_config.model_name or "sglang-model")
+        # How pages are stored (tenantkv.codecs); a page is one opaque block, so a lossy codec
+        # scales each page as a whole (int4: a page's 16 rows must hold an odd number of values).
+        self._codec = codec(extra.get("codec", "none")).name
         self._assertion = extra.get(ASSERTION_PARAM)
         self._assertion_file = extra.get("assertion_file")
         self._engines: dict[tuple[int, torch.dtype], EngineNamespaces] = {}
@@ -136,7 +144,7 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if engine is None:
                 if size % PAGE_WORDS or size // PAGE_WORDS < 2:
                     raise TenantKVError(f"a page of {size} values does not split in 16 rows")
-                layout = KVLayout.mla(1, size // PAGE_WORDS - 1, 1, dtype)
+                layout = KVLayout.mla(1, size // PAGE_WORDS - 1, 1, dtype).with_codec(self._codec)
                 engine = EngineNamespaces(
                     self._kv,
                     self._verifier,
