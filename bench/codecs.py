@@ -65,7 +65,7 @@ def speed(tokens: int, layers: int, reps: int, cold: bool, data_dir: Path) -> di
         c: {"store": [], "load": [], "load_cold": []} for c in CODECS
     }
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp, open_cache(Path(tmp) / "kv") as kv:
-        kv.create_tenant("acme", quota_bytes=1 << 40)
+        kv.create_tenant("acme", quota_bytes=16 << 30)
         spaces = {c: kv.namespace("acme", model="m", layout=layout, codec=c) for c in CODECS}
         for rep in range(reps):
             order = CODECS[rep % 3 :] + CODECS[: rep % 3]
