@@ -383,3 +383,14 @@ def test_re_sealing_under_a_new_key_keeps_the_codec(kv: TenantKV, name: str) -> 
     assert ns.lookup(tokens) == 128
     after = [as_rows(MHA, layer) for layer in load_all(ns, tokens)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_fp8_lookup_gives_torchs_own_e4m3_values() -> None:
+    from tenantkv.codecs import fp8_values
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16)
+    want = every.view(torch.float8_e4m3fn).to(torch.float32)
+    got = fp8_values(every)
+    finite = torch.isfinite(want)
+    assert got.shape == (16, 16) and bool(finite.sum() == 254)  # 0x7F, 0xFF are NaN
+    assert torch.equal(got[finite], want[finite]) and bool(got[~finite].isnan().all())
