@@ -11,9 +11,9 @@ keep is a byte a disk hit need not read, decrypt or copy to the GPU.
 * ``int4``: each token's latent (MLA ``c_KV``) or head vector (MHA K, V) is rotated by an
   orthonormal Walsh-Hadamard transform in blocks of 32 channels, which spreads the few outlier
   channels that make plain low-bit codes fail over their block, then coded in 4 bits with one
-  bfloat16 scale per block (group) of 32 rotated channels. MLA's ``k_rot`` (64 values of a 576-value row, the part RoPE positions)
-  stays in fp8 with a per-block scale: coding it in 4 bits saves 32 B of 352 per token but
-  multiplies its error several times (docs/perf.md, "Latent codecs").
+  bfloat16 scale per block (group) of 32 rotated channels. MLA's ``k_rot`` (64 values of a
+  576-value row, the part RoPE positions) stays in fp8 with a per-block scale: coding it in 4
+  bits saves 32 B of 352 per token but triples its error (docs/perf.md, "Latent codecs").
 
 Both lossy codecs are lossy: they are never byte-exact, and values that are not finite are
 refused (e4m3 has no infinity; a NaN would poison a whole scale group).
