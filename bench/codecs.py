@@ -41,6 +41,7 @@ from _fixtures import deepseek_layout, open_cache, random_layers, torch_tokens
 from _plots import median_bars, pyplot, save_figure
 
 import tenantkv
+import tenantkv.codecs as codecs_module
 from tenantkv.codecs import Component, _Int4Part
 
 CODECS = ("none", "fp8", "int4")
@@ -225,6 +226,15 @@ def error_tables(greedy_tokens: int) -> dict[str, Any]:
             for name, values in errors.items():
                 recon.append((label, codec, name, sum(values) / len(values)))
             attention.append((label, codec, sum(attn) / len(attn)))
+    # The int4 rotation's block: none (1), the scale group (32, the choice), the whole latent.
+    rotation: list[tuple[int, float]] = []
+    coded_ds = ds.with_codec("int4")
+    for block in (1, 32, 512):
+        codecs_module.MAX_ROTATION = block
+        back = _coded(coded_ds, heavy.bfloat16())
+        rank = ds.kv_lora_rank
+        rotation.append((block, _rel(back[:, :rank], heavy.bfloat16()[:, :rank])))
+    codecs_module.MAX_ROTATION = 32
     with tempfile.TemporaryDirectory() as tmp, tenantkv.open(Path(tmp) / "kv") as kv:
         kv.create_tenant("acme")
         for label, model in models.items():
@@ -257,7 +267,12 @@ def error_tables(greedy_tokens: int) -> dict[str, Any]:
                 same = int((after == full).sum())
                 differs = next((i for i in range(len(full)) if after[i] != full[i]), len(full))
                 greedy.append((label, codec, same, differs))
-    return {"reconstruction": recon, "attention": attention, "greedy": greedy}
+    return {
+        "reconstruction": recon,
+        "attention": attention,
+        "greedy": greedy,
+        "rotation": rotation,
+    }
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -310,6 +325,9 @@ def main() -> None:
         print("\nattention output relative error, 64 random queries")
         for label, codec, value in errors["attention"]:
             print(f"  {label:<44} {codec:<5} {value:.4f}")
+        print("\nint4 c_KV error on the heavy-tailed latents by rotation block")
+        for block, value in errors["rotation"]:
+            print(f"  rotation block {block:<4} {value:.4f}")
         print(f"\ngreedy tokens after a restore equal to a full prefill's (of {args.greedy})")
         for label, codec, same, first in errors["greedy"]:
             print(f"  {label:<20} {codec:<5} {same:3d} equal, first difference at {first}")
