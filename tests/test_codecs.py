@@ -5,6 +5,7 @@ Every isolation check first shows the owner's hit (positive control)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def _values(layout: KVLayout, blocks: int, magnitude: float, seed: int, outlier:
 def test_none_is_byte_exact(kind: str, case: tuple) -> None:
     blocks, dtype, magnitude, seed, outlier = case
     base = MLA if kind == "mla" else MHA
-    layout = KVLayout(**{**base.__dict__, "dtype": dtype, "codec": "none"})  # type: ignore[arg-type]
+    layout = dataclasses.replace(base, dtype=dtype)
     values = _values(layout, blocks, magnitude, seed, outlier)
     values[1, 1] = float("nan")  # none stores any bytes, NaN included
     rows = values.view(torch.uint8).view(values.shape[0], -1)
@@ -89,7 +90,7 @@ def test_none_is_byte_exact(kind: str, case: tuple) -> None:
 def test_fp8_error_is_within_e4m3_rounding_of_the_blocks_scale(kind: str, case: tuple) -> None:
     blocks, dtype, magnitude, seed, outlier = case
     base = MLA if kind == "mla" else MHA
-    layout = KVLayout(**{**base.__dict__, "dtype": dtype}).with_codec("fp8")  # type: ignore[arg-type]
+    layout = dataclasses.replace(base, dtype=dtype).with_codec("fp8")
     values = _values(layout, blocks, magnitude, seed, outlier)
     codes = layout.coder.encode(layout, values, 16)
     assert codes.shape == (blocks, layout.segment_bytes(16))
@@ -112,7 +113,7 @@ def test_fp8_error_is_within_e4m3_rounding_of_the_blocks_scale(kind: str, case: 
 def test_int4_error_is_within_half_a_code_step_of_each_group(kind: str, case: tuple) -> None:
     blocks, dtype, magnitude, seed, outlier = case
     base = MLA if kind == "mla" else MHA
-    layout = KVLayout(**{**base.__dict__, "dtype": dtype}).with_codec("int4")  # type: ignore[arg-type]
+    layout = dataclasses.replace(base, dtype=dtype).with_codec("int4")
     values = _values(layout, blocks, magnitude, seed, outlier)
     got = layout.coder.decode(layout, layout.coder.encode(layout, values, 16), 16)
     x, y = values.float(), got.float()
