@@ -50,8 +50,8 @@ INT4_MAX = 7.0
 INT4_GROUP = 32
 #: The largest Walsh-Hadamard block a vector is rotated by: the int4 group. A rotation within
 #: each scale group spreads an outlier channel over its own group only; one over the whole
-#: latent (512) raised every group's scale, and its error on heavy-tailed latents (0.089 against
-#: 0.057), and cost a 16 times larger matrix product (docs/perf.md, "Latent codecs").
+#: latent (512) raised every group's scale, and its error on heavy-tailed latents (0.083 against
+#: 0.052), and cost a 16 times larger matrix product (docs/perf.md, "Latent codecs").
 MAX_ROTATION = 32
 
 
