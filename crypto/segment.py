@@ -26,6 +26,11 @@ Associated data (binds a segment to where it belongs; all integers big-endian)::
     77      4     layer index
     81      4     plaintext length in bytes
 
+A segment whose values are coded (``SegmentContext.codec`` not 0: a lossy latent codec of
+tenantkv) has format version 2: magic ``b"TKVSEG\x00\x02"``, and one byte, the codec, at offset
+45 after the namespace id (the block key, layer and length follow at 46, 78, 82). Segments of
+codec 0 keep version 1 byte for byte, so extents sealed before codecs still open.
+
 Sealed segment on disk: ``ciphertext (len = plaintext length) || tag (16 bytes)``. Moving a
 segment to another tenant, namespace, block, layer or extent, or changing a single bit, makes it
 fail to open with :class:`SealOpenError`.
@@ -49,6 +54,7 @@ SALT_BYTES = 16
 ID_BYTES = 16
 BLOCK_KEY_BYTES = 32
 _AAD_MAGIC = b"TKVSEG\x00" + bytes([SEGMENT_FORMAT_VERSION])
+_AAD_MAGIC_CODED = b"TKVSEG\x00\x02"
 _AAD_HEAD = struct.Struct(">8sB16sI16s")
 _AAD_TAIL = struct.Struct(">II")
 _NONCE = struct.Struct(">IQ")
@@ -62,10 +68,15 @@ class SegmentContext:
     tenant_id: bytes
     key_version: int
     namespace_id: bytes
+    #: How the segments' values are coded (0: their own bytes). Bound into the associated data
+    #: when not 0, so an extent's header cannot name another codec than its segments hold.
+    codec: int = 0
 
     def __post_init__(self) -> None:
         if len(self.tenant_id) != ID_BYTES or len(self.namespace_id) != ID_BYTES:
             raise ValueError(f"tenant and namespace ids must be {ID_BYTES} bytes")
+        if not 0 <= self.codec < 256:
+            raise ValueError(f"codec {self.codec} is out of range")
         if not 0 <= self.key_version < 2**32:
             raise ValueError(f"key version {self.key_version} is out of range")
 
@@ -94,9 +105,10 @@ class ExtentCipher:
         ).derive(data_key)
         self.suite = suite
         self._aead = suite.new_aead(subkey)
+        magic = _AAD_MAGIC_CODED if context.codec else _AAD_MAGIC
         self._aad_head = _AAD_HEAD.pack(
-            _AAD_MAGIC, suite, context.tenant_id, context.key_version, context.namespace_id
-        )
+            magic, suite, context.tenant_id, context.key_version, context.namespace_id
+        ) + (bytes([context.codec]) if context.codec else b"")
 
     def associated_data(self, block_key: bytes, layer: int, length: int) -> bytes:
         """The associated data of one segment (see the module docstring for the layout)."""

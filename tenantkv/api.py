@@ -345,13 +345,21 @@ class TenantKV:
         scope: str | None = None,
         revision: str | None = None,
         block_tokens: int = 64,
+        codec: str | None = None,
     ) -> Namespace:
         """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use.
 
         ``block_tokens`` (a multiple of 16 up to 1024; default 64) is the namespace's block
         size: prefixes are keyed, looked up, stored and loaded in whole blocks of it. It is part
         of the namespace's identity, so the same model with another block size is another
-        namespace."""
+        namespace.
+
+        ``codec`` is how its values are stored (``tenantkv.codecs``): ``"none"`` (the values'
+        own bytes, byte-exact), ``"fp8"`` (e4m3, about half the bytes) or ``"int4"``
+        (Hadamard-rotated 4-bit codes, about a third); both lossy codecs are lossy, and they
+        refuse non-finite values. ``None`` keeps the layout's (``"none"`` unless the layout was
+        made with :meth:`KVLayout.with_codec`). The codec is part of the namespace's identity,
+        so a namespace never serves another codec's blocks; loads return the layout's dtype."""
         return open_namespace(
             self._open(),
             tenant,
@@ -360,6 +368,7 @@ class TenantKV:
             scope=scope,
             revision=revision,
             block_tokens=block_tokens,
+            codec=codec,
         )
 
     # ---- observing ----------------------------------------------------------------------------

@@ -9,12 +9,15 @@ Two layout kinds are registered (``tenantkv.layout_kinds``; more can be):
   On disk a token's row is ``k_t || v_t``, so a loaded layer is one buffer ``[T, 2, H, D]`` and
   ``k``/``v`` are zero-copy views into it.
 
-Every layout stores a fixed number of bytes per token and layer (:attr:`KVLayout.token_bytes`),
-so a 64-token block of one layer is a fixed-size segment.
+Every layout holds a fixed number of bytes per token and layer (:attr:`KVLayout.token_bytes`,
+the caller's dtype). What is stored of a block of one layer is a fixed-size segment
+(:meth:`KVLayout.segment_bytes`): the same bytes under codec ``none``, fewer under a lossy codec
+(``tenantkv.codecs``: ``fp8``, ``int4``), which a namespace chooses with ``codec=``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .codecs import Codec, Component, check_finite
+from .codecs import codec as codec_named
 from .errors import InvalidRequestError
 from .layout_kinds import Layer as Layer
 from .layout_kinds import LayoutKind, layout_kind
@@ -51,6 +56,8 @@ class KVLayout:
     rope_dim: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    #: How the values are stored (``tenantkv.codecs``); set by ``kv.namespace(codec=)``.
+    codec: str = "none"
 
     @classmethod
     def mla(cls, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> KVLayout:
@@ -73,6 +80,47 @@ class KVLayout:
         if dtype not in SUPPORTED_DTYPES:
             names = ", ".join(SUPPORTED_DTYPES.values())
             raise InvalidRequestError(f"dtype {dtype} is not supported; use one of {names}")
+
+    def with_codec(self, name: str) -> KVLayout:
+        """This layout stored under codec ``name``; InvalidRequestError for an unknown codec
+        or one that cannot code this layout."""
+        chosen = codec_named(name)
+        chosen.check(self)
+        return dataclasses.replace(self, codec=chosen.name)
+
+    @functools.cached_property
+    def coder(self) -> Codec:
+        """The codec object that encodes and decodes this layout's segments."""
+        return codec_named(self.codec)
+
+    @property
+    def encoded(self) -> bool:
+        """Whether stored segments are codes rather than the values' own bytes."""
+        return self.codec != "none"
+
+    def components(self) -> list[Component]:
+        """The parts of a token's row that a codec scales apart."""
+        return self.strategy.components(self)
+
+    def segment_bytes(self, block_tokens: int) -> int:
+        """Stored (plaintext) bytes of one block of one layer, under this layout's codec."""
+        return self.coder.segment_bytes(self, block_tokens)
+
+    def encode_rows(self, rows: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        """A validated layer (``[T, token_bytes]`` uint8) as stored segments: the rows as they
+        are under codec ``none``, else ``[T // block_tokens, segment_bytes]`` codes of the
+        layer's full blocks (a partial last block is never stored)."""
+        if not self.encoded:
+            return rows
+        full = rows.shape[0] // block_tokens * block_tokens
+        values = rows[:full].view(self.dtype)
+        return self.coder.encode(self, values, block_tokens)
+
+    def decode_rows(self, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        """Stored segments (``[n, segment_bytes]`` uint8, on any device) as ``[n *
+        block_tokens, token_bytes]`` uint8 rows of this layout's dtype, on the same device."""
+        values = self.coder.decode(self, codes, block_tokens)
+        return values.view(torch.uint8).view(-1, self.token_bytes)
 
     # Cached: the loader asks for these per chunk. (A frozen dataclass without slots keeps a
     # cached_property's value in the instance dict; fields, equality and hashing are unchanged.)
@@ -99,6 +147,8 @@ class KVLayout:
             "dtype": SUPPORTED_DTYPES[self.dtype],
         }
         info.update(self.strategy.shape_fields(self))
+        if self.encoded:  # absent for "none": fingerprints from before codecs stay the same
+            info["codec"] = self.codec
         return info
 
     # ---- tensors <-> bytes -------------------------------------------------------------------
@@ -106,6 +156,8 @@ class KVLayout:
     def layer_rows(self, layer: Any, index: int, num_tokens: int) -> torch.Tensor:
         """Validate one layer of ``num_tokens`` tokens; return it as ``[T, token_bytes]`` uint8."""
         values = self.strategy.layer_rows(self, layer, f"layer {index}", num_tokens)
+        if self.coder.lossy:
+            check_finite(self.codec, values)
         return values.view(torch.uint8).reshape(num_tokens, self.token_bytes)
 
     def validate_layers(self, layers: Any, num_tokens: int) -> list[torch.Tensor]:

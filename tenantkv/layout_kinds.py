@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .codecs import Component
 from .errors import InvalidRequestError
 from .tensor_checks import check_dense
 
@@ -81,6 +82,11 @@ class LayoutKind(abc.ABC):
         """The kind's own dimensions, for the layout's canonical description."""
 
     @abc.abstractmethod
+    def components(self, layout: KVLayout) -> list[Component]:
+        """The parts of a token's row that a codec scales apart (``tenantkv.codecs``), in row
+        order; what a lossy codec stores of them sets the layout's encoded segment size."""
+
+    @abc.abstractmethod
     def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
         """A caller's layer, checked, as a contiguous CPU tensor of the layout's dtype whose
         bytes are the stored rows."""
@@ -133,6 +139,13 @@ class LatentKind(LayoutKind):
     def shape_fields(self, layout: KVLayout) -> dict[str, int]:
         return {"kv_lora_rank": layout.kv_lora_rank, "rope_dim": layout.rope_dim}
 
+    def components(self, layout: KVLayout) -> list[Component]:
+        rank, rope = layout.kv_lora_rank, layout.rope_dim
+        return [
+            Component("c_kv", 0, rank, rank, positional=False),
+            Component("k_rot", rank, rope, rope, positional=True),
+        ]
+
     def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
         tensor = check_tensor(layout, what, layer, (num_tokens, layout.values_per_token))
         return tensor.detach().to("cpu").contiguous()
@@ -174,6 +187,15 @@ class KeyValueKind(LayoutKind):
 
     def shape_fields(self, layout: KVLayout) -> dict[str, int]:
         return {"num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim}
+
+    def components(self, layout: KVLayout) -> list[Component]:
+        # A token's row is k_t || v_t, each num_kv_heads vectors of head_dim values. K carries
+        # RoPE too, but per head: its rotation is the head's, so it is coded like V.
+        width = layout.num_kv_heads * layout.head_dim
+        return [
+            Component("k", 0, width, layout.head_dim, positional=False),
+            Component("v", width, width, layout.head_dim, positional=False),
+        ]
 
     def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
         k, v = _pair(what, layer)

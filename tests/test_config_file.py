@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tenantkv.cli import main
 from tenantkv.config import CacheConfig
+from tenantkv.errors import InvalidRequestError
 from tenantkv.settings_file import ConfigFileError, key_line, mask
 from tests.indexes import Index
 
@@ -268,12 +269,23 @@ def test_connector_reads_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     path = _write(
         tmp_path,
         f'[cache]\nroot = "{tmp_path / "kv"}"\nload_workers = 3\n'
-        f'[vllm]\ngateway_public_keys = ["{pem}"]\naudience = "prod"\nload_async = true\n',
+        f'[vllm]\ngateway_public_keys = ["{pem}"]\naudience = "prod"\nload_async = true\n'
+        'codec = "fp8"\n',
     )
     settings = ConnectorSettings.from_extra_config({"config_file": str(path)}, "m")
     assert settings.root == str(tmp_path / "kv") and settings.audience == "prod"
     assert settings.open_options["load_workers"] == 3 and settings.load_async is True
     assert settings.gateway_public_keys == (pem.read_bytes(),) and settings.model == "m"
+    assert settings.codec == "fp8"
+    unknown = _write(
+        tmp_path, f'[vllm]\ngateway_public_keys = ["{pem}"]\ncodec = "nf4"\n', "c.toml"
+    )
+    with pytest.raises(ConfigFileError, match="unknown codec 'nf4'"):
+        ConnectorSettings.from_extra_config({"config_file": str(unknown)}, "m")
+    with pytest.raises(InvalidRequestError, match="unknown codec 'nf4'"):
+        ConnectorSettings.from_extra_config(
+            {"root": "/x", "gateway_public_keys": [str(pem)], "codec": "nf4"}, "m"
+        )
     monkeypatch.setenv("TENANTKV_LOAD_WORKERS", "4")  # the environment beats the file here too
     assert (
         ConnectorSettings.from_extra_config({"config_file": str(path)}, "m").open_options[

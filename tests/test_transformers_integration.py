@@ -462,3 +462,31 @@ def test_streamed_layers_arrive_in_order_and_later_layers_repeat_a_failure(
     with pytest.raises(tenantkv.CacheClosedError):  # the same error, not an ordering complaint
         _ = restored.cache.layers[2].keys
     assert not tenants.leased_extents()
+
+
+@pytest.mark.parametrize(("codec", "make"), [("int4", _deepseek), ("fp8", _llama)])
+def test_a_coded_prefix_cache_restores_close_to_the_saved_cache(
+    tenants: TenantKV, codec: str, make: Any
+) -> None:
+    """Under a lossy codec a restore gives the model's dtype, close to (never claimed equal to)
+    the saved cache, and generation runs on it; a namespace without the codec misses. (One
+    model per codec keeps the suite short; tests/test_codecs.py covers both codecs on both
+    layout kinds.)"""
+    for model in (make(),):
+        prefixes = PrefixCache(tenants, "acme", model, codec=codec)
+        assert prefixes.layout.codec == codec
+        first = _prompt(200, seed=1)
+        output = _generate(model, first)
+        assert prefixes.save(output.sequences, output.cache) == 192
+        restored = prefixes.restore(output.sequences)
+        assert restored.num_tokens == 192 and restored.cache is not None
+        bound = 0.05 if codec == "fp8" else 0.2
+        for saved, got in zip(output.cache.layers, restored.cache.layers, strict=True):
+            for want, have in ((saved.keys, got.keys), (saved.values, got.values)):
+                want = want[..., :192, :]
+                assert have.dtype == want.dtype and have.shape == want.shape
+                error = float((have.float() - want.float()).norm() / want.float().norm())
+                assert 0 < error < bound
+        assert _generate(model, output.sequences, cache=restored.cache).sequences.shape[1] > 0
+        # The same model without the codec is another namespace (positive control: above).
+        assert PrefixCache(tenants, "acme", model).lookup(output.sequences) == 0

@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 import tenantkv
+from tenantkv.errors import InvalidRequestError
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS
 from tenantkv.integrations.sglang import TenantKVHiCacheStorage
 from tenantkv.tenant_assertion import AssertionSigner
@@ -55,7 +56,12 @@ class PageFirstHostPool:
 
 
 def backend(
-    root: Path, index: Index, pem: str, assertion: str | None, host: PageFirstHostPool
+    root: Path,
+    index: Index,
+    pem: str,
+    assertion: str | None,
+    host: PageFirstHostPool,
+    codec: str | None = None,
 ) -> HiCacheStorage:
     extra: dict[str, Any] = {
         "backend_name": "tenantkv",
@@ -68,6 +74,8 @@ def backend(
     }
     if assertion is not None:
         extra["tenantkv_assertion"] = assertion
+    if codec is not None:
+        extra["codec"] = codec
     config = HiCacheStorageConfig(
         tp_rank=0,
         tp_size=1,
@@ -212,3 +220,28 @@ def test_a_cache_error_is_a_counted_miss(
     assert storage.set("good-page", page) is True
     assert torch.equal(storage.get("good-page", torch.empty_like(page)), page)
     assert health.counts()[ENGINE_ERRORS] == before + 2
+
+
+def test_a_coded_backend_round_trips_pages_close_to_what_was_stored(
+    root: Path, index: Index, gateway: AssertionSigner, gateway_pem: str
+) -> None:
+    """``codec`` in the extra config stores pages coded: they come back close to (never equal
+    to) the stored pages; a backend without the codec is another namespace and misses."""
+    codec = "fp8"
+    source = filled_pool(4, seed=2)
+    token = gateway.sign("acme", ttl=240)
+    writer = backend(root, index, gateway_pem, token, source, codec=codec)
+    assert writer.batch_set_v1(KEYS, torch.arange(0, 3 * PAGE)) == [True, True, True]
+    target = PageFirstHostPool(4)
+    reader = backend(root, index, gateway_pem, token, target, codec=codec)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert reader.batch_get_v1(KEYS, torch.arange(PAGE, 4 * PAGE), info) == [True] * 3
+    got, want = target.kv_buffer[:, PAGE:].float(), source.kv_buffer[:, : 3 * PAGE].float()
+    error = float((got - want).norm() / want.norm())
+    assert 0 < error < 0.05
+    plain = backend(root, index, gateway_pem, token, PageFirstHostPool(4))
+    assert plain.batch_exists(KEYS) == 0
+    with pytest.raises(InvalidRequestError, match="int4"):
+        backend(root, index, gateway_pem, token, PageFirstHostPool(4), codec="int4")
+    with pytest.raises(InvalidRequestError, match="unknown codec"):
+        backend(root, index, gateway_pem, token, PageFirstHostPool(4), codec="nf4")

@@ -88,7 +88,14 @@ class Setup:
     """A cache with tenants acme and globex, a scheduler and a worker-side connector on it."""
 
     def __init__(
-        self, root: Path, index: Index, model: Path, pem: str, *, load_async: bool = False
+        self,
+        root: Path,
+        index: Index,
+        model: Path,
+        pem: str,
+        *,
+        load_async: bool = False,
+        codec: str | None = None,
     ) -> None:
         self.root = root
         url = index.url(root)
@@ -99,6 +106,8 @@ class Setup:
             "model": "tiny-llama",
             "load_async": load_async,
         }
+        if codec is not None:
+            extra["codec"] = codec
         self.config = vllm_config(model, extra)
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
         self.scheduler = Scheduler(
@@ -534,3 +543,39 @@ def test_a_preempted_requests_save_finishes_before_the_next_step_reuses_its_page
             k, v = layer
             rows = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
             assert torch.equal(rows.permute(0, 2, 1, 3), expected[LAYERS[index]])
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int4"])
+def test_a_coded_namespace_loads_decoded_values_into_the_pages(
+    tmp_path: Path,
+    index: Index,
+    tiny_llama: Path,
+    gateway_pem: str,
+    gateway: AssertionSigner,
+    codec: str,
+) -> None:
+    """The connector takes ``codec`` from its extra config: what it stores is coded, and a hit
+    puts exactly what the codec decodes into the engine's pages (not the stored values: the
+    codec is lossy); a connector without the codec is another namespace and misses."""
+    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, codec=codec)
+    assert setup.connector.engine.layout.codec == codec
+    rows = store_for(setup, "acme")
+    owner = setup.request("owner", params(gateway, "acme"))
+    assert setup.connector.get_num_new_matched_tokens(owner, 0) == (96, False)
+    _, meta, errors = setup.step(compute=True)
+    assert errors == set()
+    (load,) = meta.loads
+    layout = setup.connector.engine.layout
+    for index_, name in enumerate(LAYERS):
+        k, v = rows[index_, ..., :HEAD_DIM], rows[index_, ..., HEAD_DIM:]
+        stored = torch.stack((k, v), dim=1).contiguous().view(torch.uint8).view(96, -1)
+        coded = layout.decode_rows(layout.encode_rows(stored, BLOCK), BLOCK)
+        pair = coded.view(torch.float32).view(96, 2, HEADS, HEAD_DIM)
+        decoded = torch.cat((pair[:, 0], pair[:, 1]), dim=-1)  # the pages' K|V per head
+        assert not torch.equal(decoded, rows[index_])
+        for b, page in enumerate(load.block_ids):
+            expected = decoded[b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
+    plain = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem)
+    other = plain.request("plain", params(gateway, "acme"))
+    assert plain.connector.get_num_new_matched_tokens(other, 0) == (0, False)

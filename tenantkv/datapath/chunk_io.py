@@ -253,7 +253,7 @@ class ChunkOpener:
         self.readers = readers
         self._target = target
         self._cancelled = cancelled
-        self.segment_bytes = target.block_tokens * layout.token_bytes
+        self.segment_bytes = layout.segment_bytes(target.block_tokens)  # stored (coded) bytes
         # Extents the store can map are opened straight out of the page cache; the others are
         # read into the worker's staging slot first (docs/perf.md: one pass over memory fewer).
         segment = self.segment_bytes
@@ -357,8 +357,7 @@ class ChunkOpener:
             for j in range(chunk.count)
         ]
         open_segments(cipher, layer, work, ciphertext, outs, group=group, pause=pause)
-        plain = slot.tensor[plain_at : plain_at + chunk.count * segment]
-        plain = plain.view(-1, self.layout.token_bytes)
+        plain = slot.tensor[plain_at : plain_at + chunk.count * segment].view(chunk.count, segment)
         if self._stream is None:
             self._target.place(output, chunk.position, plain)
             return

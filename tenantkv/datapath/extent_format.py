@@ -6,12 +6,17 @@
     0                           32              header (below)
     32 + (l * B + b) * (S + 16) S + 16          sealed segment of block slot b, layer l
 
-    header: b"TKVX" | u8 format version (1) | u8 cipher suite | u16 0 | u32be B (blocks)
-            | u32be L (layers) | u32be S (plaintext bytes per segment) | 12 zero bytes
+    header: b"TKVX" | u8 format version (1) | u8 cipher suite | u8 codec | u8 0
+            | u32be B (blocks) | u32be L (layers) | u32be S (plaintext bytes per segment)
+            | 12 zero bytes
 
 All B segments of layer l are contiguous, so loading one layer of a prefix is one read per extent.
-The header is not authenticated; it is cross-checked against the index, and any mismatch (as any
-segment that fails to open) is treated as tampering.
+The codec byte names how segments are coded (``tenantkv.codecs``: 0 ``none``, 1 ``fp8``, 2
+``int4``); extents written before codecs have 0 there and read as ``none``. The header is
+cross-checked against the index and the namespace (a codec byte other than the namespace's is a
+mismatch), and any mismatch (as any segment that fails to open) is treated as tampering. Its
+codec byte is authenticated too: a coded extent's segments bind it in their associated data
+(``tenantkv.crypto.SegmentContext.codec``), so a changed byte makes every segment fail to open.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ..crypto import TAG_BYTES, CipherSuite
 
 MAGIC = b"TKVX"
 FORMAT_VERSION = 1
-HEADER = struct.Struct(">4sBBHIII12x")
+HEADER = struct.Struct(">4sBBBBIII12x")
 HEADER_BYTES = HEADER.size
 
 
@@ -35,6 +40,7 @@ class ExtentGeometry:
     num_layers: int
     segment_bytes: int  # plaintext
     suite: CipherSuite
+    codec: int = 0  # tenantkv.codecs ident; 0 is "none"
 
     @property
     def sealed_bytes(self) -> int:
@@ -57,6 +63,7 @@ class ExtentGeometry:
             MAGIC,
             FORMAT_VERSION,
             self.suite,
+            self.codec,
             0,
             self.num_blocks,
             self.num_layers,
@@ -65,3 +72,10 @@ class ExtentGeometry:
 
     def matches_header(self, data: bytes) -> bool:
         return data == self.header()
+
+
+def header_codec(data: bytes) -> int:
+    """The codec byte of an extent header (not yet checked against anything)."""
+    if len(data) < HEADER_BYTES:
+        raise ValueError(f"an extent header is {HEADER_BYTES} bytes, got {len(data)}")
+    return int(HEADER.unpack(data[:HEADER_BYTES])[3])

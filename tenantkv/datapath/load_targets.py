@@ -6,8 +6,10 @@ must be able to write into buffers the engine already owns (``out=``), at given 
 tensor of exactly the loaded rows.
 
 On the CPU, a destination whose rows are plain bytes (a fresh layer, an MLA buffer) is decrypted
-into directly, with no copy. Otherwise (MHA ``out=`` buffers, which keep k and v apart, and every
-CUDA target) the chunk is decrypted into its staging slot and copied out from there.
+into directly, with no copy. Otherwise (MHA ``out=`` buffers, which keep k and v apart, every
+CUDA target, and every namespace with a lossy codec) the chunk is decrypted into its staging slot
+and copied out from there; a codec's segments are decoded on the way (on a GPU after the copy to
+the device, so the link carries the codes).
 """
 
 from __future__ import annotations
@@ -109,8 +111,10 @@ class LoadTarget:
         rows_needed = max(self.block_rows, default=-block_tokens) + block_tokens
         self.out = self._check_out(out, rows_needed) if out is not None else None
         #: decrypt straight into the destination bytes (no staging copy)
-        self.direct = self.device.type == "cpu" and (
-            out is None or layout.strategy.decrypts_into_out
+        self.direct = (
+            self.device.type == "cpu"
+            and not layout.encoded
+            and (out is None or layout.strategy.decrypts_into_out)
         )
 
     @staticmethod
@@ -172,7 +176,9 @@ class LoadTarget:
                 host = self._host_pool.buffer(num_tokens * layout.token_bytes)
                 values = torch.frombuffer(host, dtype=layout.dtype)
                 result = layout.layer_from_values(values, num_tokens)
-                return LayerOutput(rows=None, pair=None, result=result, host_bytes=host)
+                # Staged chunks (a codec's, decoded) are copied into rows over the same bytes.
+                rows = None if self.direct else values.view(torch.uint8).view(num_tokens, -1)
+                return LayerOutput(rows=rows, pair=None, result=result, host_bytes=host)
             rows = layout.empty_rows(num_tokens, self.device)
             return LayerOutput(rows=rows, pair=None, result=layout.layer_from_rows(rows))
         entry = self.out[layer]
@@ -191,15 +197,22 @@ class LoadTarget:
             self._host_pool.trim(keep=layers_in_flight * layer_bytes, layer_bytes=layer_bytes)
 
     def place(self, output: LayerOutput, first_position: int, plain: torch.Tensor) -> None:
-        """Copy a staged chunk (``[count * 64, token_bytes]`` uint8) to its destination rows.
+        """Copy a staged chunk (``[count, segment_bytes]`` uint8: ``count`` stored segments) to
+        its destination rows, decoding a codec's segments on the way.
 
-        On CUDA the copies are queued on the current stream (the load's); the caller records
-        an event after them and keeps the staging slot until that event has completed.
+        On CUDA the copies (and the decoding) are queued on the current stream (the load's);
+        the caller records an event after them and keeps the staging slot until that event has
+        completed.
         """
-        count = plain.shape[0] // self.block_tokens
+        count = plain.shape[0]
         layout = self.layout
-        if self.device.type == "cuda" and output.pair is not None:
-            plain = plain.to(self.device, non_blocking=True)  # then split k/v on the device
+        if self.device.type == "cuda" and (output.pair is not None or layout.encoded):
+            # Then split k/v, or decode, on the device: the link carries the codes.
+            plain = plain.to(self.device, non_blocking=True)
+        if layout.encoded:
+            plain = layout.decode_rows(plain, self.block_tokens)
+        else:
+            plain = plain.view(count * self.block_tokens, layout.token_bytes)
         offset = 0
         for start, length in self._row_runs(first_position, count):
             block = plain[offset : offset + length]

@@ -7,6 +7,11 @@ Start SGLang with ``--hicache-storage-backend dynamic`` and the extra config::
      "root": "/var/lib/tenantkv", "gateway_public_keys": ["/etc/tenantkv/gateway.pub.pem"],
      "assertion_file": "/run/tenantkv/assertion"}
 
+``"codec"`` in the extra config (``"none"``, the default, or ``"fp8"``; see ``tenantkv.codecs``)
+stores pages coded: a page is one opaque block, so fp8 scales each page as a whole (e4m3's
+exponent keeps each value's relative precision, down to 2^-9 of the page's largest value).
+``"int4"`` is refused: it rotates and groups head vectors, which an opaque page does not show.
+
 **Identity.** SGLang's storage calls carry no request: only page hashes (``keys``) and, at best,
 the hashes before them. So the tenant of an SGLang server is its deployment's: a signed tenant
 assertion (``tenantkv.tenant_assertion``) that the gateway or a sidecar keeps fresh in
@@ -55,7 +60,8 @@ except ImportError as err:  # a sentence rather than a traceback from the import
         "(docs/engines.md)"
     ) from err
 
-from ..errors import TenantAssertionError, TenantKVError
+from ..codecs import codec
+from ..errors import InvalidRequestError, TenantAssertionError, TenantKVError
 from ..layout import KVLayout
 from ..services.namespace import Namespace
 from ..tenant_assertion import AssertionVerifier, lifetime_setting
@@ -97,6 +103,15 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             require_incarnation=extra.get("require_incarnation", False),
         )
         self._model = str(extra.get("model") or storage_config.model_name or "sglang-model")
+        # How pages are stored (tenantkv.codecs). A page is one opaque block of all its layers,
+        # so fp8 scales each page as a whole; int4 rotates and groups per head vector, which an
+        # opaque page does not show (its rows would split at odd sizes): not offered here.
+        self._codec = codec(extra.get("codec", "none")).name
+        if self._codec == "int4":
+            raise InvalidRequestError(
+                "codec 'int4' is not offered for SGLang pages (an opaque page has no head "
+                "vectors to rotate and group); use 'fp8' or 'none'"
+            )
         self._assertion = extra.get(ASSERTION_PARAM)
         self._assertion_file = extra.get("assertion_file")
         self._engines: dict[tuple[int, torch.dtype], EngineNamespaces] = {}
@@ -146,7 +161,7 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if engine is None:
                 if size % PAGE_WORDS or size // PAGE_WORDS < 2:
                     raise TenantKVError(f"a page of {size} values does not split in 16 rows")
-                layout = KVLayout.mla(1, size // PAGE_WORDS - 1, 1, dtype)
+                layout = KVLayout.mla(1, size // PAGE_WORDS - 1, 1, dtype).with_codec(self._codec)
                 engine = EngineNamespaces(
                     self._kv,
                     self._verifier,

@@ -233,13 +233,16 @@ class PrefixCache:
         *,
         scope: str | None = None,
         revision: str | None = None,
+        codec: str = "none",
     ) -> None:
+        """``codec`` is how the namespace stores the caches (``tenantkv.codecs``: ``"none"``,
+        byte-exact; ``"fp8"``, ``"int4"``, lossy): restores return the model's dtype."""
         self.model = model
-        self.layout = layout_for(model)
         name, label = model_identity(model, revision)
         self.namespace: Namespace = kv.namespace(
-            tenant, model=name, revision=label, layout=self.layout, scope=scope
+            tenant, model=name, revision=label, layout=layout_for(model), scope=scope, codec=codec
         )
+        self.layout = self.namespace.layout
         self._strict = kv.config.strict
         self._rope: RopeSpec | None = None
 

@@ -221,8 +221,10 @@ def open_namespace(
     scope: str | None,
     revision: str | None,
     block_tokens: int = BLOCK_TOKENS,
+    codec: str | None = None,
 ) -> Namespace:
-    """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use."""
+    """The namespace of ``tenant`` (and ``scope``) for a model and layout; made on first use.
+    ``codec`` (None: the layout's own) is how its values are stored (``tenantkv.codecs``)."""
     check_tenant_name(tenant)
     _check_label("model", model, _MAX_MODEL)
     if scope is not None:
@@ -231,6 +233,7 @@ def open_namespace(
         _check_label("revision", revision, _MAX_MODEL)
     if not isinstance(layout, KVLayout):
         raise InvalidRequestError("layout must be a tenantkv.KVLayout")
+    layout = layout.with_codec(layout.codec if codec is None else codec)
     if (
         isinstance(block_tokens, bool)
         or not isinstance(block_tokens, int)

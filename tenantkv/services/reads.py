@@ -218,15 +218,21 @@ class NamespaceReads(NamespaceKeys):
         """The geometry and cipher of one indexed extent, after checking it fits this namespace."""
         if row.wrapped_key is None:
             raise CacheMissError(f"data key version {row.key_version} is gone")
+        # The codec is the namespace's: an extent whose header names another fails the header
+        # check when the load opens it (an integrity failure), and its segments would not open.
         geometry = ExtentGeometry(
-            row.num_blocks, row.num_layers, row.segment_bytes, CipherSuite(row.suite)
+            row.num_blocks,
+            row.num_layers,
+            row.segment_bytes,
+            CipherSuite(row.suite),
+            codec=self.layout.coder.ident,
         )
         if geometry.num_layers != self.layout.num_layers or geometry.segment_bytes != (
-            self.block_tokens * self.layout.token_bytes
+            self.layout.segment_bytes(self.block_tokens)
         ):
             raise CacheMissError("an indexed extent does not match this namespace's layout")
         context = SegmentContext(
-            self.identity.tenant_id, row.key_version, self.identity.namespace_id
+            self.identity.tenant_id, row.key_version, self.identity.namespace_id, geometry.codec
         )
         cipher = self._ctx.keys.extent_cipher(context, row.wrapped_key, row.salt, geometry.suite)
         return PlannedExtent(row.extent_id, geometry, cipher, row.key_version)

@@ -17,7 +17,7 @@ from typing import Any
 from ..audit import KEYS_RETIRE, SEGMENT_OPEN_FAILED, Attribution
 from ..components.context import CacheContext
 from ..crypto import CipherSuite, ExtentCipher, SealOpenError, SegmentContext, new_salt
-from ..datapath.extent_format import ExtentGeometry
+from ..datapath.extent_format import HEADER_BYTES, ExtentGeometry, header_codec
 from ..errors import TenantNotFoundError
 from ..index import counters, extents
 from ..index import tenants as tenant_rows
@@ -87,20 +87,30 @@ def _reseal_one(ctx: CacheContext, extent: Extent, new_key: bytes, version: int)
         ctx.remover.drop_now(extent.id)
         return
     suite = CipherSuite(extent.suite)
-    old = ExtentGeometry(extent.num_blocks, extent.num_layers, extent.segment_bytes, suite)
-    new = ExtentGeometry(len(blocks), extent.num_layers, extent.segment_bytes, ctx.config.suite)
+    # The codec byte is read from the extent's own header; the old segments' associated data
+    # binds it, so a forged byte fails to open below. The new extent keeps the codec.
+    header = bytearray(HEADER_BYTES)
+    with ctx.blocks.open(extent.id) as reader:
+        reader.readinto(0, [header])
+    codec = header_codec(bytes(header))
+    old = ExtentGeometry(
+        extent.num_blocks, extent.num_layers, extent.segment_bytes, suite, codec=codec
+    )
+    new = ExtentGeometry(
+        len(blocks), extent.num_layers, extent.segment_bytes, ctx.config.suite, codec=codec
+    )
     old_key = _data_key(ctx, extent.tenant_id, extent.key_version)
     old_cipher = ExtentCipher(
         old_key,
         extent.salt,
-        SegmentContext(extent.tenant_id, extent.key_version, extent.namespace_id),
+        SegmentContext(extent.tenant_id, extent.key_version, extent.namespace_id, codec),
         suite,
     )
     salt = new_salt()
     new_cipher = ExtentCipher(
         new_key,
         salt,
-        SegmentContext(extent.tenant_id, version, extent.namespace_id),
+        SegmentContext(extent.tenant_id, version, extent.namespace_id, codec),
         ctx.config.suite,
     )
     sealed = bytearray(old.sealed_bytes)

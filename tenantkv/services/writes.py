@@ -184,11 +184,13 @@ class NamespaceWrites(NamespaceKeys):
         fails, or when another writer indexed all these blocks first."""
         key_version, data_key, quota, retention = settings
         suite = self._ctx.config.suite
+        layout = self.layout
         geometry = ExtentGeometry(
             num_blocks=len(positions),
-            num_layers=self.layout.num_layers,
-            segment_bytes=self.block_tokens * self.layout.token_bytes,
+            num_layers=layout.num_layers,
+            segment_bytes=layout.segment_bytes(self.block_tokens),
             suite=suite,
+            codec=layout.coder.ident,
         )
         if geometry.total_bytes > quota:
             self._ctx.incidents.record(
@@ -202,7 +204,9 @@ class NamespaceWrites(NamespaceKeys):
                 f"{self.tenant!r}'s whole quota of {quota} bytes"
             )
         salt = new_salt()
-        context = SegmentContext(self.identity.tenant_id, key_version, self.identity.namespace_id)
+        context = SegmentContext(
+            self.identity.tenant_id, key_version, self.identity.namespace_id, geometry.codec
+        )
         cipher = ExtentCipher(data_key, salt, context, suite)
         runtime = self._ctx.runtime
         extent_id = seal_extent(
@@ -211,7 +215,9 @@ class NamespaceWrites(NamespaceKeys):
             cipher,
             keys=keys,
             positions=positions,
-            rows=rows,
+            # The codec stage: a lossy codec's segments are encoded here, before sealing (and
+            # after the quota check, so a refused store encodes nothing).
+            rows=[layout.encode_rows(layer_rows, self.block_tokens) for layer_rows in rows],
             first_row_block=first_row_block,
             executor=runtime.seal_executor,
             workers=runtime.workers,

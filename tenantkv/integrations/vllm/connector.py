@@ -36,7 +36,7 @@ class TenantKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             settings.verifier(),
             model=settings.model,
             revision=settings.revision,
-            layout=layout,
+            layout=layout.with_codec(settings.codec),
             block_tokens=block_tokens,
         )
         self.scheduler_side: SchedulerSide | None = None

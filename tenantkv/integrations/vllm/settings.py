@@ -15,6 +15,9 @@ Extra config keys:
 * ``model``: the model's name in namespaces (default: vLLM's ``model``), ``revision`` likewise.
 * ``load_async``: load between scheduler steps (``True``) instead of layer by layer during the
   forward pass (``False``, the default).
+* ``codec``: how the namespaces store KV (``tenantkv.codecs``): ``"none"`` (the default,
+  byte-exact), ``"fp8"`` or ``"int4"`` (lossy; docs/perf.md has their measured error). Part of
+  the namespaces' identity: engines with another codec never share their blocks.
 
 Or one key, ``config_file``: the path of the deployment's configuration file
 (``tenantkv.settings_file``), whose ``[cache]`` table is the cache (``TENANTKV_*`` variables
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from ...api import TenantKV
+from ...codecs import codec
 from ...config import CacheConfig
 from ...errors import InvalidRequestError
 from ...layout import KVLayout
@@ -66,6 +70,7 @@ class ConnectorSettings:
     model: str
     revision: str | None
     load_async: bool
+    codec: str = "none"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], default_model: str) -> ConnectorSettings:
@@ -86,6 +91,7 @@ class ConnectorSettings:
             model=str(extra.get("model") or default_model),
             revision=extra.get("revision"),
             load_async=bool(extra.get("load_async", False)),
+            codec=codec(extra.get("codec", "none")).name,
         )
 
     @classmethod
@@ -125,6 +131,7 @@ class ConnectorSettings:
             model=section.model or default_model,
             revision=section.revision,
             load_async=section.load_async,
+            codec=section.codec,
         )
 
     def verifier(self) -> AssertionVerifier:
@@ -148,6 +155,7 @@ class ConnectorSection:
     model: str | None = None
     revision: str | None = None
     load_async: bool = False
+    codec: str = "none"
     pems: tuple[bytes, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +166,7 @@ class ConnectorSection:
                 f"gateway_public_keys: cannot read {err.filename}: {err.strerror}"
             ) from None
         lifetime_setting("max_assertion_lifetime", self.max_assertion_lifetime)
+        codec(self.codec)  # an unknown codec is refused when the file is checked
 
 
 #: The configuration file's ``[vllm]`` table.

@@ -1,0 +1,356 @@
+"""Latent codecs: how a namespace's KV values become the bytes that are sealed, and back.
+
+A namespace chooses one codec when it is made (``kv.namespace(..., codec=...)``); the codec is
+part of its fingerprint and is recorded in every extent it writes. Every byte a codec does not
+keep is a byte a disk hit need not read, decrypt or copy to the GPU.
+
+* ``none`` (the default): the values' own bytes, byte for byte. Nothing here runs for it.
+* ``fp8``: float8 e4m3 codes with one float32 scale per (block, layer, component) -- MLA's
+  ``c_KV`` and ``k_rot`` scaled apart, MHA's K and V apart -- so one outlier channel only costs
+  precision within its own block and component.
+* ``int4``: each token's latent (MLA ``c_KV``) or head vector (MHA K, V) is rotated by an
+  orthonormal Walsh-Hadamard transform in blocks of 32 channels, which spreads the few outlier
+  channels that make plain low-bit codes fail over their block, then coded in 4 bits with one
+  bfloat16 scale per block (group) of 32 rotated channels. MLA's ``k_rot`` (64 values of a
+  576-value row, the part RoPE positions) stays in fp8 with a per-block scale: coding it in 4
+  bits saves 32 B of 352 per token but triples its error (docs/perf.md, "Latent codecs").
+
+Both lossy codecs are lossy: they are never byte-exact, and values that are not finite are
+refused (e4m3 has no infinity; a NaN would poison a whole scale group).
+
+Segment format (one (block, layer) segment of ``B`` tokens; the components in the layout
+kind's order, each one after the other, all integers little-endian as torch stores them)::
+
+    fp8 component of W values:   B*W bytes e4m3 codes (token-major) | 4 bytes float32 scale
+    int4 component of W values:  B*W/2 bytes codes (two per byte, even channel in the low
+                                 nibble, code = round(x/scale) + 8 in 1..15)
+                                 | B*(W/G)*2 bytes bfloat16 scales (token-major, G = group size)
+
+Every operation is a torch operation on the tensors' own device, so a GPU decodes after the
+host-to-device copy and the link carries the codes.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .errors import InvalidRequestError
+
+#: The largest magnitude e4m3 (``float8_e4m3fn``) represents.
+FP8_MAX = 448.0
+#: The largest 4-bit code magnitude (codes are symmetric, -7..7, stored as 1..15).
+INT4_MAX = 7.0
+#: Channels per int4 scale (fewer when a vector's power-of-two factor is smaller).
+INT4_GROUP = 32
+#: The largest Walsh-Hadamard block a vector is rotated by: the int4 group. A rotation within
+#: each scale group spreads an outlier channel over its own group only; one over the whole
+#: latent (512) raised every group's scale, and its error on heavy-tailed latents (0.083 against
+#: 0.052), and cost a 16 times larger matrix product (docs/perf.md, "Latent codecs").
+MAX_ROTATION = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """One part of a token's row that a codec scales on its own (``c_kv``, ``k_rot``, ``k``,
+    ``v``): values ``start .. start + width`` of the row, made of vectors of ``vector`` values
+    (a head, or the whole latent) that an int4 rotation acts on."""
+
+    name: str
+    start: int
+    width: int
+    vector: int
+    positional: bool  # carries RoPE positions (MLA k_rot); int4 keeps it at fp8
+
+
+class CodedLayout(Protocol):
+    """What a codec reads of a layout (``tenantkv.layout.KVLayout`` provides it)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def values_per_token(self) -> int: ...
+    def components(self) -> Sequence[Component]: ...
+
+
+def _power_of_two_factor(n: int) -> int:
+    return n & -n
+
+
+# ---- component coders --------------------------------------------------------------------------
+
+
+class _Part(abc.ABC):
+    """The coder of one component: ``[n, B, W]`` float32 values <-> ``[n, bytes]`` uint8."""
+
+    def __init__(self, component: Component, block_tokens: int) -> None:
+        self.component = component
+        self.block_tokens = block_tokens
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of this component in one segment."""
+
+    @abc.abstractmethod
+    def encode(self, values: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+
+class _Fp8Part(_Part):
+    """e4m3 codes, one float32 scale for the whole (block, layer, component)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_tokens * self.component.width + 4
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        n = values.shape[0]
+        amax = values.abs().amax(dim=(1, 2))
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scaled = (values / scale[:, None, None]).clamp_(-FP8_MAX, FP8_MAX)
+        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, -1)
+        return torch.cat((codes, scale.to(torch.float32).view(torch.uint8).view(n, 4)), dim=1)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        n = codes.shape[0]
+        size = self.block_tokens * self.component.width
+        values = fp8_values(codes[:, :size])
+        scale = codes[:, size : size + 4].contiguous().view(torch.float32)  # [n, 1]
+        return values.mul_(scale).view(n, self.block_tokens, self.component.width)
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (uint8, any shape) as float32 values, by a lookup in the 256 values e4m3 has:
+    torch's own float8 conversion is a scalar loop on the CPU, and the lookup took 0.45 of its
+    time on this project's 2-core machine (docs/perf.md, "Latent codecs"). Same values, bit for
+    bit (``tests/test_codecs.py``)."""
+    table = _fp8_table(codes.device)
+    return table.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+
+
+@functools.lru_cache(maxsize=8)
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return every.view(torch.float8_e4m3fn).to(torch.float32).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard(size: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of ``size`` (a power of two); symmetric, so it is
+    its own inverse."""
+    matrix = torch.ones((1, 1), dtype=torch.float32)
+    while matrix.shape[0] < size:
+        matrix = torch.cat(
+            (torch.cat((matrix, matrix), dim=1), torch.cat((matrix, -matrix), dim=1)), dim=0
+        )
+    scaled: torch.Tensor = matrix / float(size) ** 0.5
+    return scaled.to(device)
+
+
+class _Int4Part(_Part):
+    """A Walsh-Hadamard rotation of each vector, then 4-bit codes with a bfloat16 scale per
+    group of channels."""
+
+    def __init__(self, component: Component, block_tokens: int) -> None:
+        super().__init__(component, block_tokens)
+        factor = _power_of_two_factor(component.vector)
+        self.rotation = min(factor, MAX_ROTATION)
+        self.group = min(factor, INT4_GROUP)
+        self.groups = component.width // self.group
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_tokens * (self.component.width // 2 + self.groups * 2)
+
+    def _rotate(self, values: torch.Tensor) -> torch.Tensor:
+        if self.rotation == 1:
+            return values
+        shape = values.shape
+        matrix = _hadamard(self.rotation, values.device)
+        return (values.reshape(-1, self.rotation) @ matrix).view(shape)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        n, tokens, width = values.shape
+        grouped = self._rotate(values).view(n, tokens, self.groups, self.group)
+        scale = (grouped.abs().amax(dim=3) / INT4_MAX).to(torch.bfloat16)
+        wide = scale.to(torch.float32)
+        safe = torch.where(wide > 0, wide, torch.ones_like(wide))
+        codes = (grouped / safe[..., None]).round_().clamp_(-INT4_MAX, INT4_MAX).add_(8)
+        codes = codes.to(torch.uint8).view(n, tokens, width)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return torch.cat((packed.reshape(n, -1), scale.view(torch.uint8).reshape(n, -1)), dim=1)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        n = codes.shape[0]
+        tokens, width = self.block_tokens, self.component.width
+        size = tokens * width // 2
+        packed = codes[:, :size].reshape(n, tokens, width // 2)
+        unpacked = torch.stack((packed & 0x0F, packed >> 4), dim=3).view(n, tokens, width)
+        scales = codes[:, size : size + tokens * self.groups * 2].contiguous()
+        scale = scales.view(torch.bfloat16).view(n, tokens, self.groups, 1).to(torch.float32)
+        grouped = (unpacked.to(torch.float32) - 8).view(n, tokens, self.groups, self.group)
+        return self._rotate((grouped * scale).view(n, tokens, width))
+
+
+# ---- codecs ------------------------------------------------------------------------------------
+
+
+class Codec(abc.ABC):
+    """How a namespace's values are stored. Registered by name (:func:`codec`)."""
+
+    #: The name in ``kv.namespace(codec=)``, the fingerprint and the settings.
+    name: str
+    #: The byte that names the codec in an extent's header and its segments' associated data.
+    ident: int
+    #: Whether decoding gives back other values than were stored.
+    lossy: bool
+
+    def check(self, layout: CodedLayout) -> None:
+        """InvalidRequestError when this codec cannot code ``layout``'s values (every layout
+        can be stored as its own bytes)."""
+        return None
+
+    @abc.abstractmethod
+    def segment_bytes(self, layout: CodedLayout, block_tokens: int) -> int:
+        """Stored bytes of one (block, layer) segment."""
+
+    @abc.abstractmethod
+    def encode(self, layout: CodedLayout, values: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        """``[n * block_tokens, values_per_token]`` values of ``layout.dtype`` as ``[n,
+        segment_bytes]`` uint8 (on the values' device)."""
+
+    @abc.abstractmethod
+    def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        """``[n, segment_bytes]`` uint8 as ``[n * block_tokens, values_per_token]`` values of
+        ``layout.dtype`` (on the codes' device)."""
+
+
+class RawCodec(Codec):
+    """The values' own bytes: byte-exact, and what every extent without a codec holds."""
+
+    name = "none"
+    ident = 0
+    lossy = False
+
+    def segment_bytes(self, layout: CodedLayout, block_tokens: int) -> int:
+        return block_tokens * layout.values_per_token * layout.dtype.itemsize
+
+    def encode(self, layout: CodedLayout, values: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        size = self.segment_bytes(layout, block_tokens)
+        return values.contiguous().view(torch.uint8).view(-1, size)
+
+    def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        return codes.contiguous().view(layout.dtype).view(-1, layout.values_per_token)
+
+
+class _PartCodec(Codec):
+    """A lossy codec made of one coder per component."""
+
+    lossy = True
+
+    @abc.abstractmethod
+    def _part(self, component: Component, block_tokens: int) -> _Part: ...
+
+    def check(self, layout: CodedLayout) -> None:
+        if layout.dtype.itemsize == 1:
+            raise InvalidRequestError(
+                f"codec {self.name!r} codes 16- and 32-bit values; the layout's dtype "
+                f"{layout.dtype} is already 8-bit (use codec 'none')"
+            )
+
+    def _parts(self, layout: CodedLayout, block_tokens: int) -> list[_Part]:
+        return [self._part(c, block_tokens) for c in layout.components()]
+
+    def segment_bytes(self, layout: CodedLayout, block_tokens: int) -> int:
+        return sum(part.nbytes for part in self._parts(layout, block_tokens))
+
+    def encode(self, layout: CodedLayout, values: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        check_finite(self.name, values)
+        width = layout.values_per_token
+        blocks = values.reshape(-1, block_tokens, width)
+        pieces = []
+        for part in self._parts(layout, block_tokens):
+            c = part.component
+            pieces.append(part.encode(blocks[:, :, c.start : c.start + c.width].float()))
+        return torch.cat(pieces, dim=1)
+
+    def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        n = codes.shape[0]
+        out = torch.empty(
+            (n, block_tokens, layout.values_per_token), dtype=layout.dtype, device=codes.device
+        )
+        offset = 0
+        for part in self._parts(layout, block_tokens):
+            c = part.component
+            out[:, :, c.start : c.start + c.width] = part.decode(
+                codes[:, offset : offset + part.nbytes]
+            )
+            offset += part.nbytes
+        return out.view(n * block_tokens, layout.values_per_token)
+
+
+class Fp8Codec(_PartCodec):
+    """e4m3 with a scale per (block, layer, component)."""
+
+    name = "fp8"
+    ident = 1
+
+    def _part(self, component: Component, block_tokens: int) -> _Part:
+        return _Fp8Part(component, block_tokens)
+
+
+class Int4Codec(_PartCodec):
+    """Hadamard-rotated 4-bit codes with a scale per group of channels; positional parts
+    (MLA ``k_rot``) in fp8."""
+
+    name = "int4"
+    ident = 2
+
+    def check(self, layout: CodedLayout) -> None:
+        super().check(layout)
+        for c in layout.components():
+            if not c.positional and c.vector % 2:
+                raise InvalidRequestError(
+                    f"codec 'int4' packs two values a byte; {c.name} vectors have an odd "
+                    f"length ({c.vector})"
+                )
+
+    def _part(self, component: Component, block_tokens: int) -> _Part:
+        if component.positional:
+            return _Fp8Part(component, block_tokens)
+        return _Int4Part(component, block_tokens)
+
+
+def check_finite(codec_name: str, values: torch.Tensor) -> None:
+    """InvalidRequestError when ``values`` (bound for a lossy codec) hold a NaN or infinity."""
+    if not bool(torch.isfinite(values).all()):
+        raise InvalidRequestError(
+            f"codec {codec_name!r} stores finite values only (e4m3 and 4-bit codes have no "
+            "infinity or NaN); the layers hold a non-finite value"
+        )
+
+
+_CODECS: dict[str, Codec] = {c.name: c for c in (RawCodec(), Fp8Codec(), Int4Codec())}
+_BY_IDENT: dict[int, Codec] = {c.ident: c for c in _CODECS.values()}
+#: The codec names, default first.
+CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
+
+
+def codec(name: str) -> Codec:
+    """The codec named ``name``; InvalidRequestError for a name that does not exist."""
+    if not isinstance(name, str) or name not in _CODECS:
+        raise InvalidRequestError(f"unknown codec {name!r}; use one of {', '.join(CODEC_NAMES)}")
+    return _CODECS[name]
+
+
+def codec_by_ident(ident: int) -> Codec | None:
+    """The codec an extent header's byte names, or None for a byte no codec has."""
+    return _BY_IDENT.get(ident)
