@@ -23,6 +23,7 @@ Only allow-listed request headers go upstream (:mod:`headers`): never the client
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -32,7 +33,6 @@ from typing import Any, Final, Protocol
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -55,6 +55,9 @@ logger = logging.getLogger("tenantkv")
 #: The OpenAI routes proxied (POST, JSON body).
 ROUTES: Final = ("/v1/completions", "/v1/chat/completions")
 _MAX_KEY_CHARS: Final = 512
+#: Threads that run key lookups (the key service may block on its index). As many as
+#: Starlette's default thread pool has tokens, which the gateway used before.
+KEY_LOOKUP_THREADS: Final = 40
 
 
 class Refusal(Exception):
@@ -161,6 +164,10 @@ class Gateway:
         self.router = Router(check_backends(list(backends)), cooldown=settings.backend_cooldown)
         self.limits = KeyLimiter(settings.max_concurrency_per_key)
         self._client: httpx.AsyncClient | None = None
+        # key lookups run here rather than through anyio's to_thread, whose bookkeeping per
+        # call (a capacity limiter, run variables, a cancel scope) was most of the Python
+        # time left per proxied request once the upstream client was replaced (docs/perf.md)
+        self._lookups: concurrent.futures.ThreadPoolExecutor | None = None
         self._upstream: UpstreamClient | None = None
         # backend URL + route -> parsed once (parsing a URL is a tenth of httpx's cost per
         # request); bounded by the backends times the few routes
@@ -197,6 +204,9 @@ class Gateway:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False)
+            self._lookups = None
 
     # ---------------------------------------------------------------- the request's steps
 
@@ -205,7 +215,13 @@ class Gateway:
         if key is None:
             raise Refusal(401, "invalid_api_key", "an Authorization: Bearer <key> is required")
         try:
-            identity = await run_in_threadpool(self.authenticator.authenticate, key)
+            if self._lookups is None:
+                self._lookups = concurrent.futures.ThreadPoolExecutor(
+                    KEY_LOOKUP_THREADS, thread_name_prefix="tenantkv-gateway-keys"
+                )
+            identity = await asyncio.get_running_loop().run_in_executor(
+                self._lookups, self.authenticator.authenticate, key
+            )
         except TenantKVError:  # the key service could not answer: neither a 401 nor a 500
             raise Refusal(503, "unavailable", "keys cannot be checked now; retry") from None
         if identity is None:

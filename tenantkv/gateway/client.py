@@ -213,6 +213,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
         self.closed = True
         self._client._forget(self)
+        if not self.complete:  # a reader waiting for more learns now, not at connection_lost
+            self._fail(UpstreamError("the connection was closed"))
+            self._wake()
 
     def send(self, head: bytes, body: bytes | None) -> None:
         assert self.transport is not None
@@ -268,6 +271,12 @@ class UpstreamResponse:
             if conn.error is not None:
                 raise conn.error
             await conn.wait(self._read_timeout)
+
+    def abort(self) -> None:
+        """Close the connection now (the client went away): the backend sees it closed, and a
+        :meth:`read_chunk` waiting raises. :meth:`aclose` is still to be called."""
+        if self._conn is not None:
+            self._conn.close()
 
     async def aclose(self) -> None:
         """Give the connection back if the answer was read to its end, else close it."""

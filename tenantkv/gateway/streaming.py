@@ -6,19 +6,19 @@ identity-bearing field; a line from which nothing was removed passes byte for by
 through an :class:`events.EventCleaner`, which applies that rule line by line only to the
 events that could hold such a field, and passes the others without parsing them. The client's
 disconnect is watched beside the copy (not only noticed at the next write, which a silent
-upstream could delay indefinitely): it cancels the copy and closes the upstream response,
-which closes the connection the backend is generating into.
+upstream could delay indefinitely): it closes the connection the backend is generating into,
+which also ends the copy's wait for the next event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
-import anyio
 from starlette.types import Receive, Scope, Send
 
 from .client import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -85,36 +85,37 @@ class EventStream:
             yield _error_event("upstream_error", "the backend's stream broke off")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The copy runs in this task; a second task only waits for the client's disconnect,
+        # then closes the upstream connection (which tells the backend to stop, and ends a
+        # read waiting on a silent upstream at once). No task group: one task fewer to start
+        # before the first event, and nothing to cancel in the copy.
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            self._upstream.abort()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            async with anyio.create_task_group() as group:
-
-                async def copy() -> None:
-                    try:
-                        await send(
-                            {
-                                "type": "http.response.start",
-                                "status": self.status_code,
-                                "headers": list(self.raw_headers),
-                            }
-                        )
-                        async for chunk in self._events():
-                            await send(
-                                {"type": "http.response.body", "body": chunk, "more_body": True}
-                            )
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    except OSError:  # the client is gone
-                        pass
-                    finally:
-                        group.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                group.start_soon(copy)
-                group.start_soon(watch)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": list(self.raw_headers),
+                }
+            )
+            async for chunk in self._events():
+                if gone:
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client is gone
+            pass
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._upstream.aclose()
+            watcher.cancel()
+            await self._upstream.aclose()  # never suspends: a cancel cannot skip the release
             self._done()
