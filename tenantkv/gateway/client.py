@@ -104,6 +104,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers_done = False
         self.complete = False
+        self.keep_alive = False
         self.got_bytes = False
         self.error: UpstreamError | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
@@ -162,6 +163,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.status < 200:
             return
+        # asked now: the parser forgets the answer's headers once it has returned
+        self.keep_alive = self._parser.should_keep_alive()
         self.complete = True
         self._wake()
 
@@ -206,7 +209,7 @@ class _Connection(asyncio.Protocol):
         return data
 
     def reusable(self) -> bool:
-        return self.complete and not self.closed and self._parser.should_keep_alive()
+        return self.complete and self.keep_alive and not self.closed
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
