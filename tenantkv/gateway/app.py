@@ -34,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
+from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from ..errors import InvalidRequestError, TenantKVError
@@ -492,7 +493,7 @@ def create_gateway_app(
     for path in ROUTES:
         # reached only where GatewayApp does not take the request first (a root path set
         # by the server); other methods get the router's 405
-        app.router.add_route(path, ProxyRoute(gateway, path), methods=["POST"])
+        app.router.routes.append(Route(path, ProxyRoute(gateway, path), methods=["POST"]))
 
     @app.get("/v1/models", include_in_schema=False)
     async def models(request: Request) -> Response:
