@@ -373,7 +373,9 @@ def main() -> None:
                 ax, range(len(shown)), [samples[pattern.format(s)] for s in shown], color="#1f77b4"
             )
             ax.set_xticks(range(len(shown)), shown, fontsize=7)
-            ax.set_title(pattern.format("...").replace(", ...", ""), fontsize=9)
+            ax.set_title(
+                pattern.format("each").replace(", each", "").replace(": each", ":"), fontsize=9
+            )
             ax.set_ylabel(f"{unit}; median, bars = min/max")
         save_figure(fig, path)
 
