@@ -259,3 +259,25 @@ def test_connections_stay_within_the_bound() -> None:
             await c.aclose()
 
     run(main())
+
+
+def test_a_request_waits_for_a_free_connection_no_longer_than_the_timeout() -> None:
+    async def open_ended(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await w.drain()
+        await r.read()
+
+    async def main() -> None:
+        async with Server(open_ended) as server:
+            c = client(max_connections=1, read_timeout=0.3)
+            held = await c.request(b"POST", server.url, "/", {}, b"{}")  # the only connection
+            with pytest.raises(UpstreamTimeout, match="came free"):
+                await c.request(b"POST", server.url, "/", {}, b"{}")
+            await held.aclose()  # frees it: the next request gets one
+            again = await c.request(b"POST", server.url, "/", {}, b"{}")
+            assert again.status_code == 200
+            await again.aclose()
+            await c.aclose()
+
+    run(main())

@@ -21,7 +21,8 @@ What it guarantees, because the gateway's promises rest on it:
 * a body with a ``Content-Encoding`` is refused (:class:`UpstreamError`): it would pass the
   scrub as opaque bytes. ``Accept-Encoding: identity`` is sent;
 * at most ``max_connections`` connections are open, all backends together; a request waits for
-  one beyond that, as it would in httpx's pool;
+  one beyond that (at most ``read_timeout``, then :class:`UpstreamTimeout`), as it would in
+  httpx's pool;
 * reading pauses while more than :data:`HIGH_WATER` bytes of an answer wait for the client.
 
 A request sent on a kept-alive connection that the backend had closed meanwhile (its idle
@@ -344,7 +345,13 @@ class UpstreamClient:
             lines += (b"content-length: ", str(len(body)).encode(), b"\r\n")
         lines.append(b"\r\n")
         head = b"".join(lines)
-        await self._slots.acquire()
+        if self._slots.locked():  # every connection busy: wait, but not past the timeout
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self._read_timeout)
+            except TimeoutError:
+                raise UpstreamTimeout("no upstream connection came free in time") from None
+        else:
+            await self._slots.acquire()
         try:
             conn = await self._connection(origin)
             try:
