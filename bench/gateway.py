@@ -16,6 +16,15 @@ client costs a few tens of microseconds per request: a general-purpose client (h
 pool is quadratic in its connections) would measure itself rather than the servers. All the
 processes share the machine's cores, so the throughput counts the client's load too; the load
 average before and after the run is printed with the results.
+
+CPU per request: during each throughput rep the CPU time (user + system) of the stub, the
+gateway and the load generator is read (psutil, process_time) and divided by the requests. On a
+machine shared with other work these are steadier than the rates: they say what each process
+costs, not how much of the cores it was given.
+
+``--compare-rev REV`` serves a second gateway from the package as it was at git revision REV
+(``git archive`` into a temporary directory, put first on the server's PYTHONPATH) and measures
+it round-robin with the others as ``gateway@REV``: before and after in the same run.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -110,9 +120,15 @@ def serve(kind: str, port: int, backend: str) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def start(kind: str, port: int, backend: str = "") -> subprocess.Popen[bytes]:
+def start(
+    kind: str, port: int, backend: str = "", package_dir: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Serve ``kind`` in a child process; tenantkv from ``package_dir`` when given."""
+    env = dict(os.environ)
+    if package_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_dir, env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", kind, str(port), backend], cwd=ROOT
+        [sys.executable, __file__, "--serve", kind, str(port), backend], cwd=ROOT, env=env
     )
     deadline = time.monotonic() + 30
     while True:
@@ -224,16 +240,30 @@ async def _load(port: int, clients: int, total: int) -> tuple[int, float]:
     return done, time.perf_counter() - t
 
 
-def load_process(port: int, clients: int, total: int) -> tuple[int, float]:
-    return asyncio.run(_load(port, clients, total))
+def load_process(port: int, clients: int, total: int) -> tuple[int, float, float]:
+    """Requests done, seconds, and the CPU seconds this load process used."""
+    cpu = time.process_time()
+    done, seconds = asyncio.run(_load(port, clients, total))
+    return done, seconds, time.process_time() - cpu
 
 
-def throughput(pool: ProcessPoolExecutor, procs: int, port: int, clients: int, total: int) -> float:
-    """Requests per second of ``clients`` connections spread over ``procs`` processes."""
+def cpu_seconds(proc: subprocess.Popen[bytes]) -> float:
+    import psutil
+
+    times = psutil.Process(proc.pid).cpu_times()
+    return times.user + times.system
+
+
+def throughput(
+    pool: ProcessPoolExecutor, procs: int, port: int, clients: int, total: int
+) -> tuple[float, int, float]:
+    """Requests per second of ``clients`` connections spread over ``procs`` processes; the
+    requests done and the load generator's CPU seconds."""
     shares = [clients // procs + (i < clients % procs) for i in range(procs)]
     jobs = [pool.submit(load_process, port, c, total * c // clients) for c in shares if c]
     results = [job.result() for job in jobs]
-    return sum(done for done, _ in results) / max(seconds for _, seconds in results)
+    done = sum(r[0] for r in results)
+    return done / max(r[1] for r in results), done, sum(r[2] for r in results)
 
 
 def main() -> None:
@@ -245,76 +275,126 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=100, help="concurrent connections")
     parser.add_argument("--total", type=int, default=5000, help="requests per throughput rep")
     parser.add_argument("--load-procs", type=int, default=1, help="load generator processes")
-    parser.add_argument("--port", type=int, default=18470, help="first of two loopback ports")
+    parser.add_argument("--port", type=int, default=18470, help="first of three loopback ports")
+    parser.add_argument(
+        "--compare-rev", default=None, help="also serve the gateway as of this git revision"
+    )
     args = parser.parse_args()
     machine = print_machine(".", load_before=" ".join(f"{x:.2f}" for x in os.getloadavg()))
-    stub_port, gw_port = args.port, args.port + 1
-    procs = [start("stub", stub_port)]
-    procs.append(start("gateway", gw_port, f"http://127.0.0.1:{stub_port}"))
+    stub_port, gw_port, old_port = args.port, args.port + 1, args.port + 2
+    backend = f"http://127.0.0.1:{stub_port}"
+    stub = start("stub", stub_port)
+    servers = {
+        "direct": (stub_port, stub),
+        "gateway": (gw_port, start("gateway", gw_port, backend)),
+    }
+    old_dir = tempfile.TemporaryDirectory(prefix="tenantkv-gateway-")
+    if args.compare_rev:
+        # the package as it was (its tenantkv.crypto/storage/audit too, which the editable
+        # install maps from the top level), first on the old server's path
+        machine["compare_rev"] = subprocess.run(
+            ["git", "rev-parse", "--short", args.compare_rev],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        archive = subprocess.run(
+            ["git", "archive", args.compare_rev, "tenantkv", "crypto", "storage", "audit"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", old_dir.name], input=archive, check=True)
+        for sub in ("crypto", "storage", "audit"):
+            os.rename(os.path.join(old_dir.name, sub), os.path.join(old_dir.name, "tenantkv", sub))
+        servers[f"gateway@{machine['compare_rev']}"] = (
+            old_port,
+            start("gateway", old_port, backend, package_dir=old_dir.name),
+        )
     samples: dict[str, list[float]] = {}
-    targets = (("direct", stub_port), ("gateway", gw_port))
+    names = list(servers)
+    n = args.clients
     try:
         with ProcessPoolExecutor(args.load_procs) as pool:
-            for _, port in targets:  # warm both paths and the pool's processes
+            for port, _ in servers.values():  # warm every path and the pool's processes
                 asyncio.run(sequential_ms(port, 50, stream=False))
-                throughput(pool, args.load_procs, port, args.clients, args.clients * 2)
-            for _ in range(args.reps):
-                for name, port in targets:
+                throughput(pool, args.load_procs, port, n, n * 2)
+            for rep in range(args.reps):
+                # alternate the order, so neither path always runs first after the other
+                order = names if rep % 2 == 0 else names[::-1]
+                for name in order:
+                    port, proc = servers[name]
                     samples.setdefault(f"p50 latency, {name}", []).append(
                         asyncio.run(sequential_ms(port, args.requests, stream=False))
                     )
                     samples.setdefault(f"first byte, {name}", []).append(
                         asyncio.run(sequential_ms(port, args.requests, stream=True))
                     )
-                    samples.setdefault(f"req/s x{args.clients}, {name}", []).append(
-                        throughput(pool, args.load_procs, port, args.clients, args.total)
+                    server_cpu = cpu_seconds(proc)
+                    stub_cpu = cpu_seconds(stub)
+                    rate, done, client_cpu = throughput(pool, args.load_procs, port, n, args.total)
+                    samples.setdefault(f"req/s x{n}, {name}", []).append(rate)
+                    if name != "direct":
+                        samples.setdefault(f"CPU us/req x{n}: {name} process", []).append(
+                            (cpu_seconds(proc) - server_cpu) / done * 1e6
+                        )
+                    samples.setdefault(f"CPU us/req x{n}: stub, via {name}", []).append(
+                        (cpu_seconds(stub) - stub_cpu) / done * 1e6
+                    )
+                    samples.setdefault(f"CPU us/req x{n}: client, via {name}", []).append(
+                        client_cpu / done * 1e6
                     )
     finally:
-        for proc in procs:
+        for _, proc in servers.values():
             proc.terminate()
             proc.wait(10)
+        old_dir.cleanup()
     machine["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load average before {machine['load_before']}, after {machine['load_after']}")
-    added = {
-        "p50 added ms": [
-            g - d
-            for g, d in zip(
-                samples["p50 latency, gateway"], samples["p50 latency, direct"], strict=True
-            )
-        ],
-        "first byte added ms": [
-            g - d
-            for g, d in zip(
-                samples["first byte, gateway"], samples["first byte, direct"], strict=True
-            )
-        ],
-        "req/s ratio gateway/direct": [
-            g / d
-            for g, d in zip(
-                samples[f"req/s x{args.clients}, gateway"],
-                samples[f"req/s x{args.clients}, direct"],
-                strict=True,
-            )
-        ],
-    }
+    added: dict[str, list[float]] = {}
+    for name in names[1:]:
+        added |= _versus_direct(samples, name, n)
     rows = [(name, values, "") for name, values in {**samples, **added}.items()]
     print(format_stats_table(rows, "", label=f"metric ({args.reps} reps, ms or req/s)"))
 
     def plot(path: Path) -> None:
         plt = pyplot()
-        fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-        groups = (("p50 latency", "ms"), ("first byte", "ms"), (f"req/s x{args.clients}", "req/s"))
-        for ax, (prefix, unit) in zip(axes, groups, strict=True):
-            names = ["direct", "gateway"]
-            median_bars(ax, range(2), [samples[f"{prefix}, {n}"] for n in names], color="#1f77b4")
-            ax.set_xticks(range(2), names)
-            ax.set_title(prefix, fontsize=9)
+        fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+        groups = (
+            ("p50 latency, {}", "ms"),
+            ("first byte, {}", "ms"),
+            (f"req/s x{n}, {{}}", "req/s"),
+            (f"CPU us/req x{n}: {{}} process", "CPU us per request"),
+        )
+        for ax, (pattern, unit) in zip(axes, groups, strict=True):
+            shown = [name for name in names if pattern.format(name) in samples]
+            median_bars(
+                ax, range(len(shown)), [samples[pattern.format(s)] for s in shown], color="#1f77b4"
+            )
+            ax.set_xticks(range(len(shown)), shown, fontsize=7)
+            ax.set_title(
+                pattern.format("each").replace(", each", "").replace(": each", ":"), fontsize=9
+            )
             ax.set_ylabel(f"{unit}; median, bars = min/max")
         save_figure(fig, path)
 
     write_outputs(
         args.out, "gateway", {"machine": machine, "samples": samples, "added": added}, plot
     )
+
+
+def _versus_direct(samples: dict[str, list[float]], name: str, n: int) -> dict[str, list[float]]:
+    """What the gateway ``name`` adds to direct calls, rep by rep (same-run differences)."""
+
+    def pairs(metric: str) -> list[tuple[float, float]]:
+        return list(zip(samples[f"{metric}, {name}"], samples[f"{metric}, direct"], strict=True))
+
+    return {
+        f"p50 added ms, {name}": [g - d for g, d in pairs("p50 latency")],
+        f"first byte added ms, {name}": [g - d for g, d in pairs("first byte")],
+        f"req/s ratio {name}/direct": [g / d for g, d in pairs(f"req/s x{n}")],
+    }
 
 
 if __name__ == "__main__":

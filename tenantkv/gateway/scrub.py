@@ -11,6 +11,13 @@ with its whole value. The same pass cleans the upstream's answers, so nothing of
 
 The walk is iterative: a body nested as deep as the JSON parser allows cannot exhaust the stack
 here.
+
+Parsing is the expensive part, and most answers (every streamed token) hold no such key, so
+:func:`may_bear` first looks at the raw JSON text: when it says False, no key of the parsed
+value could be removed, so the text passes as it is. Its argument: in ASCII text without a
+backslash, every JSON key is written literally, so its normalised name is a substring of the
+whole text normalised the same way; a marker absent from the whole is absent from every key.
+Anything else (non-ASCII, escapes, control bytes) goes to the parse.
 """
 
 from __future__ import annotations
@@ -46,6 +53,30 @@ def identity_bearing(key: object) -> bool:
     if not isinstance(key, str):
         return False
     return _bearing_cached(key) if len(key) <= _CACHED_KEY_CHARS else _bearing(key)
+
+
+#: Bytes the raw check accepts as they are: printable ASCII but the backslash (a JSON escape can
+#: spell any character), and tab and LF (JSON whitespace; LF also ends an SSE line). Anything
+#: else, CR and the other line separators of ``str.splitlines`` included, sends the text to
+#: the parse.
+_PLAIN: Final = bytes(b for b in range(32, 127) if b != ord("\\")) + b"\t\n"
+#: ASCII letters lowered, as ``str.lower`` does for them.
+_LOWER: Final = bytes.maketrans(
+    bytes(range(ord("A"), ord("Z") + 1)), bytes(range(ord("a"), ord("z") + 1))
+)
+#: Bytes that normalisation drops (all but ASCII letters and digits, as ``str.isalnum`` keeps).
+_NOT_ALNUM: Final = bytes(b for b in range(128) if not chr(b).isalnum())
+_MARKER_BYTES: Final = tuple(marker.encode("ascii") for marker in MARKERS)
+
+
+def may_bear(raw: bytes) -> bool:
+    """Whether the JSON text ``raw`` could hold an identity-bearing key at any depth. False
+    is a proof that :func:`scrub` of its parsed value removes nothing (see the module); True
+    only means it must be parsed to know."""
+    if raw.translate(None, _PLAIN):  # a byte outside the plain set
+        return True
+    name = raw.translate(_LOWER, _NOT_ALNUM)
+    return any(marker in name for marker in _MARKER_BYTES)
 
 
 def scrub(value: Any) -> int:
