@@ -50,6 +50,7 @@ for p in (str(PEERS_DIR), str(PEERS_DIR.parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import modes as M  # noqa: E402
 import report  # noqa: E402
 import systems as S  # noqa: E402
 from _common import GB, machine_info  # noqa: E402
@@ -610,6 +611,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tenant-tokens", type=int, default=2048)
     ap.add_argument("--tenant-window", type=float, default=10.0, help="seconds per rep")
     ap.add_argument("--tenant-reps", type=int, default=3)
+    ap.add_argument(
+        "--modes",
+        default=",".join(M.MODES),
+        help="the modes timed side by side at --mode-tokens (warm, cold, stored; '' for none)",
+    )
+    ap.add_argument("--mode-tokens", default="8192", help="the sizes the modes run at")
+    ap.add_argument("--mode-reps", type=int, default=None, help="rounds of the modes (--reps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the data goes (default: system temp)")
     ap.add_argument("--out", default=None, help="plots and JSON (default bench/peers/results)")
@@ -636,6 +644,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.smoke_groups = True
         args.lookup_tokens, args.lookup_reps = 2048, 2
         args.tenant_tokens, args.tenant_window, args.tenant_reps = 256, 0.3, 1
+        args.mode_tokens = "256"
         if args.out is None:  # never over the committed outputs; removed after the run
             args.scratch_out = tempfile.mkdtemp(prefix="peers-smoke-out-")
             args.out = args.scratch_out
@@ -683,6 +692,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             S.collect()
         report.print_size(runs[-1])
 
+    mode_names = [m for m in str(args.modes).split(",") if m]
+    unknown = set(mode_names) - set(M.MODES)
+    if unknown:
+        sys.exit(f"error: unknown --modes {', '.join(sorted(unknown))}")
+    mode_runs: list[M.ModesRun] = []
+    for tokens in [int(x) for x in str(args.mode_tokens).split(",") if x and mode_names]:
+        workdir = Path(tempfile.mkdtemp(prefix=f"peers-modes-{tokens}-", dir=base))
+        try:
+            mode_runs.append(
+                M.run_modes(
+                    tenantkv,
+                    LAYERS,
+                    tokens,
+                    args.mode_reps or args.reps,
+                    args.threads,
+                    workdir,
+                    args.seed,
+                    mode_names,
+                    one_load,
+                )
+            )
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            S.collect()
+        print(M.markdown(mode_runs[-1], report.md_table), flush=True)
+
     workdir = Path(tempfile.mkdtemp(prefix="peers-misc-", dir=base))
     try:
         lookups = measure_lookups(
@@ -701,6 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     text, data = report.build(
         runs=runs,
+        modes=mode_runs,
         lookups=lookups,
         tenants=tenants,
         info=info,
