@@ -196,4 +196,3 @@ __all__ = [
     "memory_available",
     "ring_settings",
 ]
-

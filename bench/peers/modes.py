@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import systems as S
+import torch
 from _common import pwrite_full
 from _fixtures import VALUES_PER_TOKEN, byte_view, prefix_tokens
 from store_load import SegmentCipher, Shape
@@ -332,10 +331,14 @@ def markdown(run: ModesRun, md_table: Callable[..., str]) -> str:
             rows,
         )
     )
-    lines += ["", md_table(
-        ["target (ratio of medians, same run)", "ratio", "target", "verdict"],
-        [[w, f"{r:.2f}", t, "met" if ok else "NOT met"] for w, r, t, ok in targets(run)],
-    ), ""]
+    lines += [
+        "",
+        md_table(
+            ["target (ratio of medians, same run)", "ratio", "target", "verdict"],
+            [[w, f"{r:.2f}", t, "met" if ok else "NOT met"] for w, r, t, ok in targets(run)],
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 

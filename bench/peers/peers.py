@@ -618,6 +618,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--mode-tokens", default="8192", help="the sizes the modes run at")
     ap.add_argument("--mode-reps", type=int, default=None, help="rounds of the modes (--reps)")
+    ap.add_argument(
+        "--only-modes",
+        action="store_true",
+        help="run the modes alone and write modes.md, modes.png and modes.json into --out "
+        "(BENCHMARKS.md untouched): a machine too small or too busy for the whole run",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the data goes (default: system temp)")
     ap.add_argument("--out", default=None, help="plots and JSON (default bench/peers/results)")
@@ -680,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(info, indent=2), flush=True)
 
     runs: list[SizeRun] = []
-    for number, tokens in enumerate(sizes):
+    for number, tokens in enumerate([] if args.only_modes else sizes):
         workdir = Path(tempfile.mkdtemp(prefix=f"peers-{tokens}-", dir=base))
         share = 0.0 if args.smoke_groups and number > 0 else args.page_cache_share
         try:
@@ -717,6 +723,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
             S.collect()
         print(M.markdown(mode_runs[-1], report.md_table), flush=True)
+    if args.only_modes:
+        return write_modes_only(args, mode_runs, info, started, argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="peers-misc-", dir=base))
     try:
@@ -760,6 +768,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scratch_out is not None:
         shutil.rmtree(args.scratch_out, ignore_errors=True)
         print(f"(smoke: removed {args.scratch_out})")
+    return 0
+
+
+def write_modes_only(
+    args: argparse.Namespace,
+    mode_runs: list[M.ModesRun],
+    info: dict[str, Any],
+    started: float,
+    argv: Sequence[str] | None,
+) -> int:
+    """``--only-modes``: the modes' tables with the machine, the command and the load average
+    into ``modes.md`` under ``--out`` (with ``modes.png`` and ``modes.json``)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = "bench/peers/.venv/bin/python bench/peers/peers.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
+    lines = [
+        "# Warm, cold and just stored (`peers.py --only-modes`)",
+        "",
+        f"- date: {when} (the run took {(time.time() - started) / 60:.1f} min)",
+        f"- command: `{cmd.strip()}`",
+        f"- load average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        " (1/5/15 min; the machine is shared: other load skews every figure)",
+        *(f"- {k}: {v}" for k, v in info.items()),
+        "",
+        *(M.markdown(run, report.md_table) for run in mode_runs),
+        "",
+        "![modes](modes.png)",
+        "",
+    ]
+    if mode_runs:
+        report.plot_modes(mode_runs, out / "modes.png")
+    (out / "modes.md").write_text("\n".join(lines), encoding="utf-8")
+    (out / "modes.json").write_text(
+        json.dumps([M.as_json(r) for r in mode_runs], indent=1), encoding="utf-8"
+    )
+    print(f"wrote {out / 'modes.md'}, modes.png and modes.json")
     return 0
 
 
