@@ -619,6 +619,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--mode-tokens", default="8192", help="the sizes the modes run at")
     ap.add_argument("--mode-reps", type=int, default=None, help="rounds of the modes (--reps)")
     ap.add_argument(
+        "--modes-from",
+        metavar="MODES_JSON",
+        help="only write modes.md and modes.png again (into --out) from a run's modes.json",
+    )
+    ap.add_argument(
         "--only-modes",
         action="store_true",
         help="run the modes alone and write modes.md, modes.png and modes.json into --out "
@@ -663,6 +668,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.modes_from:
+        saved = json.loads(Path(args.modes_from).read_text(encoding="utf-8"))
+        runs_back = [M.from_json(r) for r in saved["runs"]]
+        return write_modes_only(args, runs_back, saved["info"], saved["started"], saved=saved)
     if args.replot:
         data = json.loads(Path(args.replot).read_text(encoding="utf-8"))
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -776,22 +785,33 @@ def write_modes_only(
     mode_runs: list[M.ModesRun],
     info: dict[str, Any],
     started: float,
-    argv: Sequence[str] | None,
+    argv: Sequence[str] | None = None,
+    saved: dict[str, Any] | None = None,
 ) -> int:
     """``--only-modes``: the modes' tables with the machine, the command and the load average
-    into ``modes.md`` under ``--out`` (with ``modes.png`` and ``modes.json``)."""
+    into ``modes.md`` under ``--out`` (with ``modes.png`` and ``modes.json``); ``saved``: a
+    run's ``modes.json``, written again (``--modes-from``)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "bench/peers/.venv/bin/python bench/peers/peers.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    if saved is None:
+        cmd = "bench/peers/.venv/bin/python bench/peers/peers.py " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        saved = {
+            "info": info,
+            "started": started,
+            "command": cmd.strip(),
+            "minutes": (time.time() - started) / 60,
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "runs": [M.as_json(r) for r in mode_runs],
+        }
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     lines = [
         "# Warm, cold and just stored (`peers.py --only-modes`)",
         "",
-        f"- date: {when} (the run took {(time.time() - started) / 60:.1f} min)",
-        f"- command: `{cmd.strip()}`",
-        f"- load average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"- date: {when} (the run took {saved['minutes']:.1f} min)",
+        f"- command: `{saved['command']}`",
+        f"- load average after the run: {saved['load_after']}"
         " (1/5/15 min; the machine is shared: other load skews every figure)",
         *(f"- {k}: {v}" for k, v in info.items()),
         "",
@@ -803,9 +823,7 @@ def write_modes_only(
     if mode_runs:
         report.plot_modes(mode_runs, out / "modes.png")
     (out / "modes.md").write_text("\n".join(lines), encoding="utf-8")
-    (out / "modes.json").write_text(
-        json.dumps([M.as_json(r) for r in mode_runs], indent=1), encoding="utf-8"
-    )
+    (out / "modes.json").write_text(json.dumps(saved, indent=1), encoding="utf-8")
     print(f"wrote {out / 'modes.md'}, modes.png and modes.json")
     return 0
 
