@@ -733,7 +733,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             S.collect()
         print(M.markdown(mode_runs[-1], report.md_table), flush=True)
     if args.only_modes:
-        return write_modes_only(args, mode_runs, info, started, argv)
+        written = write_modes_only(args, mode_runs, info, started, argv)
+        if args.scratch_out is not None:
+            shutil.rmtree(args.scratch_out, ignore_errors=True)
+        return written
 
     workdir = Path(tempfile.mkdtemp(prefix="peers-misc-", dir=base))
     try:
