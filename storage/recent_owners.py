@@ -124,7 +124,9 @@ class OwnerRings:
                     return None
             self._tick += 1
             self._used[owner] = self._tick
-        return ring.reserve(extent_id, size)
+            # Under the lock: once the region is reserved the ring is in use, and no other
+            # owner can be given it between the choice and the reservation.
+            return ring.reserve(extent_id, size)
 
     def open(self, extent_id: str, identity_now: Callable[[], FileIdentity]) -> ExtentReader | None:
         """A reader of ``extent_id`` out of whichever ring holds it, or None."""
