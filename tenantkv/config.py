@@ -193,6 +193,10 @@ class CacheConfig:
         for name in ("staging_bytes", "staging_slot_bytes", "layer_pool_bytes"):
             _check_positive_int(name, getattr(self, name))
         _check_positive_int("default_quota_bytes", self.default_quota_bytes)
+        for name in _AUTO_INTS:  # "auto" (a configuration file's spelling): derived
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() == "auto":
+                object.__setattr__(self, name, None)
         for name in ("lookup_cache_keys", "recent_writes_bytes"):
             value = getattr(self, name)
             if name == "recent_writes_bytes" and value is None:

@@ -130,7 +130,9 @@ def test_the_settings_and_their_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("TENANTKV_RECENT_WRITES_TENANT_BYTES", "8192")
     config = CacheConfig.from_env()
     assert config.recent_writes_bytes is None and config.recent_writes_tenant_bytes == 8192
-    for bad in (0, -1, 1.5, True):
+    auto = CacheConfig(recent_writes_bytes="auto", recent_writes_tenant_bytes="auto")  # type: ignore[arg-type]
+    assert auto.recent_writes_bytes is None and auto.recent_writes_tenant_bytes is None
+    for bad in (0, -1, 1.5, True, "big"):
         with pytest.raises(InvalidRequestError, match="recent_writes_tenant_bytes"):
             CacheConfig(recent_writes_tenant_bytes=bad)  # type: ignore[arg-type]
 
