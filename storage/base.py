@@ -193,10 +193,12 @@ class BlockStore(abc.ABC):
         return StoreCapabilities()
 
     @abc.abstractmethod
-    def create(self) -> ExtentWriter:
-        """Start a new extent."""
+    def create(self, owner: str = "") -> ExtentWriter:
+        """Start a new extent. ``owner`` (a tenant) names whose share of memory a backend that
+        keeps recent writes in memory uses for it: one owner's stores never push another's
+        out (``recent_owners.py``); other backends ignore it."""
 
-    def create_as(self, extent_id: str) -> ExtentWriter:
+    def create_as(self, extent_id: str, owner: str = "") -> ExtentWriter:
         """Start a new extent under an id that another store's :meth:`create` chose.
 
         For tiered stores, which keep one extent under one id in every tier; never call it

@@ -32,7 +32,8 @@ from .directories import private_dir
 from .errors import ExtentNotFoundError, StorageError
 from .local_reader import MAPPABLE_FILE_SYSTEMS, MAPPED_SEGMENT_BYTES, LocalReader, file_system_type
 from .local_writer import O_DIRECT, LocalWriter
-from .recent_writes import RecentWrites, file_identity
+from .recent_owners import OwnerRings, ring_settings
+from .recent_writes import file_identity
 
 __all__ = ["MAPPED_SEGMENT_BYTES", "LocalBlockStore", "file_system_type"]
 
@@ -51,8 +52,8 @@ class LocalBlockStore(BlockStore):
     ``direct`` writes extents with ``O_DIRECT``, past the page cache (see
     :class:`~.local_writer.LocalWriter`); by default a durable store does, where the platform and
     file system allow it. A store does not then leave its extent in the page cache; with
-    ``recent_bytes`` the store keeps the extents it wrote last in a ring of that much memory
-    (``recent_writes.py``), so their first loads read memory, not the device.
+    ``recent_bytes`` the store keeps the extents it wrote last in rings of that much memory,
+    one per owner (``recent_owners.py``), so their first loads read memory, not the device.
 
     Every directory is owner-only (0700) and every file 0600; opening a store whose directories
     group or others can reach fixes them, with a logged warning.
@@ -65,7 +66,8 @@ class LocalBlockStore(BlockStore):
         durable: bool = True,
         map_reads: bool | None = None,
         direct: bool | None = None,
-        recent_bytes: int = 0,
+        recent_bytes: int | None = 0,
+        recent_owner_bytes: int | None = None,
     ) -> None:
         """``map_reads``: let loads decrypt straight out of mapped extents (see
         :meth:`ExtentReader.mapped`); default: on a local disk or memory file system, not on a
@@ -73,8 +75,10 @@ class LocalBlockStore(BlockStore):
         least :data:`MAPPED_SEGMENT_BYTES`: the page cache then holds them in small pages, which
         loads read faster with ``preadv`` in small segments (docs/perf.md).
         ``direct``: write extents with ``O_DIRECT`` (default: when ``durable``).
-        ``recent_bytes``: memory for the ring of recently written extents (only with
-        ``direct``: otherwise the page cache holds them already); 0 keeps none."""
+        ``recent_bytes``: memory for the rings of recently written extents (only with
+        ``direct``: otherwise the page cache holds them already); 0 keeps none, None derives
+        it from the memory available (``recent_owners.default_capacity``).
+        ``recent_owner_bytes``: one owner's ring (None: ``recent_owners.default_per_owner``)."""
         self.root = Path(root)
         self.durable = durable
         #: Whether new extents are written with O_DIRECT (False once the file system refused).
@@ -90,10 +94,9 @@ class LocalBlockStore(BlockStore):
         self.mapped_segment_bytes: int | None = 0 if map_reads else None
         if map_reads is None and file_system_type(self.root) in MAPPABLE_FILE_SYSTEMS:
             self.mapped_segment_bytes = MAPPED_SEGMENT_BYTES if self.direct else 0
-        if recent_bytes < 0:
-            raise ValueError("recent_bytes must not be negative")
-        #: The ring of recently written extents, or None.
-        self.recent = RecentWrites(recent_bytes) if recent_bytes and self.direct else None
+        capacity, per_owner = ring_settings(recent_bytes, recent_owner_bytes)
+        #: The rings of recently written extents, or None.
+        self.recent = OwnerRings(capacity, per_owner) if capacity and self.direct else None
 
     @property
     def map_reads(self) -> bool:
@@ -111,16 +114,16 @@ class LocalBlockStore(BlockStore):
             raise ExtentNotFoundError(f"{extent_id!r} is not an extent id")
         return self.extent_dir / extent_id[:2] / f"{extent_id}{_EXTENT_SUFFIX}"
 
-    def create(self) -> ExtentWriter:
+    def create(self, owner: str = "") -> ExtentWriter:
         try:
-            return LocalWriter(self, secrets.token_hex(16))
+            return LocalWriter(self, secrets.token_hex(16), owner)
         except OSError as err:
             raise StorageError(f"creating extent failed: {err}") from err
 
-    def create_as(self, extent_id: str) -> ExtentWriter:
+    def create_as(self, extent_id: str, owner: str = "") -> ExtentWriter:
         self.path_of(extent_id)  # refuse a malformed id
         try:
-            return LocalWriter(self, extent_id)
+            return LocalWriter(self, extent_id, owner)
         except OSError as err:  # FileExistsError: another writer has this id in flight
             raise StorageError(f"creating extent {extent_id} failed: {err}") from err
 
@@ -130,7 +133,9 @@ class LocalBlockStore(BlockStore):
             reader = self.recent.open(extent_id, lambda: file_identity(path))
             if reader is not None:
                 return reader
-        return LocalReader(path, map_from=self.mapped_segment_bytes)
+        reader = LocalReader(path, map_from=self.mapped_segment_bytes)
+        reader.start_cold()
+        return reader
 
     def prefetch(self, extent_id: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Ask the kernel to read the ranges into the page cache (``POSIX_FADV_WILLNEED``),

@@ -20,7 +20,8 @@ from typing_extensions import Buffer
 from .base import ExtentWriter
 from .directories import PRIVATE_DIR, fsync_dir
 from .errors import StorageError
-from .recent_writes import RecentWrites, Reservation, file_identity
+from .recent_owners import OwnerRings
+from .recent_writes import Reservation, file_identity
 
 # O_DIRECT moves whole pages from page-aligned memory at page-aligned offsets; 4 KiB covers
 # devices with 512-byte and 4 KiB logical blocks.
@@ -90,7 +91,7 @@ class WriterStore(Protocol):
 
     durable: bool
     direct: bool
-    recent: RecentWrites | None
+    recent: OwnerRings | None
     extent_dir: Path
     temp_dir: Path
 
@@ -117,9 +118,11 @@ class LocalWriter(ExtentWriter):
     ``O_DIRECT`` gets buffered writes only (the same bytes, the same fsyncs).
     """
 
-    def __init__(self, store: WriterStore, extent_id: str) -> None:
+    def __init__(self, store: WriterStore, extent_id: str, owner: str = "") -> None:
+        """``owner``: whose ring of recent writes keeps the extent (``recent_owners.py``)."""
         self._store = store
         self._id = extent_id
+        self._owner = owner
         self._temp = store.temp_dir / f"{self._id}.part"
         self._fd: int | None = os.open(
             self._temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
@@ -156,7 +159,7 @@ class LocalWriter(ExtentWriter):
         fd = self._fd
         ring = self._store.recent
         if ring is not None and self._ring is None and self._direct and not self._done:
-            self._ring = ring.reserve(self._id, size)
+            self._ring = ring.reserve(self._id, size, self._owner)
         if fd is None or self._done or not self._direct or size <= 0 or _FALLOCATE is None:
             return
         if _FALLOCATE(fd, 0, ctypes.c_int64(0), ctypes.c_int64(size)) == 0:

@@ -184,6 +184,21 @@ class RecentWrites:
         with self._lock:
             return extent_id in self._readable
 
+    def in_use(self) -> bool:
+        """Whether a writer or a reader holds a region of the ring."""
+        with self._lock:
+            return any(entry.users > 0 for entry in self._entries)
+
+    def reset(self) -> None:
+        """Forget every extent and restart the counts, keeping the memory (already resident:
+        the ring's next owner pays no page faults). Only for a ring :meth:`in_use` says is
+        idle; a region still in use is left alone."""
+        with self._lock:
+            for entry in list(self._entries):
+                self._forget(entry)
+            self._head = 0
+            self.kept = self.left_out = self.served = 0
+
     def close(self) -> None:
         """Give the memory back (a view still referenced keeps it until collected)."""
         with self._lock:

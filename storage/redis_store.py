@@ -431,10 +431,10 @@ class RedisBlockStore(BlockStore):
     def temp_key(self, extent_id: str) -> str:
         return self.prefix + _TEMP + extent_id
 
-    def create(self) -> ExtentWriter:
+    def create(self, owner: str = "") -> ExtentWriter:
         return _RedisWriter(self, secrets.token_hex(16))
 
-    def create_as(self, extent_id: str) -> ExtentWriter:
+    def create_as(self, extent_id: str, owner: str = "") -> ExtentWriter:
         self.key(extent_id)  # refuse a malformed id
         return _RedisWriter(self, extent_id)
 

@@ -68,18 +68,18 @@ class _TierCounters:
 class _TieredWriter(ExtentWriter):
     """The cold tier's writer (authoritative) plus best-effort writers of the hot tiers."""
 
-    def __init__(self, store: TieredBlockStore) -> None:
+    def __init__(self, store: TieredBlockStore, owner: str = "") -> None:
         self._store = store
         # One random id for every tier, chosen here as a store's create() would.
         self.extent_id = secrets.token_hex(16)
-        self._cold = store.tiers[-1].create_as(self.extent_id)
+        self._cold = store.tiers[-1].create_as(self.extent_id, owner)
         self._hot: dict[int, ExtentWriter] = {}
         self._lock = threading.Lock()
         for tier in range(len(store.tiers) - 1):
             if not store.usable(tier):
                 continue
             try:
-                self._hot[tier] = store.tiers[tier].create_as(self.extent_id)
+                self._hot[tier] = store.tiers[tier].create_as(self.extent_id, owner)
             except StorageError as err:
                 store.hot_failure(tier, "write_errors", err)
 
@@ -239,10 +239,10 @@ class TieredBlockStore(BlockStore):
         self._counters.count(tier, name)
         logger.warning("block-store tier %d failed (%s), using the cold tier: %s", tier, name, err)
 
-    def create(self) -> ExtentWriter:
-        return _TieredWriter(self)
+    def create(self, owner: str = "") -> ExtentWriter:
+        return _TieredWriter(self, owner)
 
-    def create_as(self, extent_id: str) -> ExtentWriter:
+    def create_as(self, extent_id: str, owner: str = "") -> ExtentWriter:
         raise StorageError("a tiered store cannot be a tier of another tiered store")
 
     def open(self, extent_id: str) -> ExtentReader:

@@ -74,7 +74,8 @@ def _open_tier(
     durable: bool,
     map_reads: bool | None,
     direct_writes: bool | None,
-    recent_writes_bytes: int,
+    recent_writes_bytes: int | None,
+    recent_writes_tenant_bytes: int | None,
 ) -> BlockStore:
     if urlparse(url).scheme == "file":
         from .local import LocalBlockStore
@@ -85,6 +86,7 @@ def _open_tier(
             map_reads=map_reads,
             direct=direct_writes,
             recent_bytes=recent_writes_bytes,
+            recent_owner_bytes=recent_writes_tenant_bytes,
         )
     try:
         from .redis_store import RedisBlockStore
@@ -106,11 +108,13 @@ def open_block_store(
     durable: bool = True,
     map_reads: bool | None = None,
     direct_writes: bool | None = None,
-    recent_writes_bytes: int = 0,
+    recent_writes_bytes: int | None = 0,
+    recent_writes_tenant_bytes: int | None = None,
 ) -> BlockStore:
     """The store ``url`` names. Nothing connects yet: Redis connects on first use.
     ``recent_writes_bytes``: the ring of recently written extents of a directory written with
-    ``O_DIRECT`` (``recent_writes.py``)."""
+    ``O_DIRECT`` (``recent_owners.py``; None: derived from the memory available), one ring
+    per tenant of ``recent_writes_tenant_bytes`` (None: derived from the whole)."""
     check_block_store_url(url)
     tiers = split_tiers(url)
     stores: list[BlockStore] = []
@@ -123,6 +127,7 @@ def open_block_store(
                     map_reads=map_reads,
                     direct_writes=direct_writes,
                     recent_writes_bytes=recent_writes_bytes,
+                    recent_writes_tenant_bytes=recent_writes_tenant_bytes,
                 )
             )
     except BaseException:

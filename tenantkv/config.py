@@ -125,8 +125,16 @@ class CacheConfig:
     #: ``O_DIRECT`` (``tenantkv.storage.recent_writes``: a ring, no copy at store time; an
     #: extent larger than it is not kept). A prefix is most often reused soon after it is
     #: stored; the first load of a 2,048-token prefix just stored took 9 ms instead of 28-34
-    #: (docs/perf.md). Resident once written. 0 turns it off.
-    recent_writes_bytes: int = 256 * MiB
+    #: (docs/perf.md). One ring per tenant (``tenantkv.storage.recent_owners``), so one
+    #: tenant's large stores never push another's out. Resident once written. Default (None,
+    #: ``auto`` in the environment): an eighth of the memory available when the cache opens,
+    #: at most 16 GiB; 0 turns it off.
+    recent_writes_bytes: int | None = None
+    #: One tenant's ring within ``recent_writes_bytes`` (default None: an eighth of it, at
+    #: least 1 GiB where it holds that: a just-stored 8K-token DeepSeek-V3 prefix, 576 MB).
+    #: The rings go to the tenants that store, a ring idle longest going to a new tenant once
+    #: all are taken.
+    recent_writes_tenant_bytes: int | None = None
     #: Raise CacheUnavailableError where the serving path would otherwise degrade to a miss.
     strict: bool = False
     #: Threads that seal stores (default: one per CPU the process can use, ``cores``: its
@@ -218,10 +226,18 @@ class CacheConfig:
         for name in ("staging_bytes", "staging_slot_bytes", "layer_pool_bytes"):
             _check_positive_int(name, getattr(self, name))
         _check_positive_int("default_quota_bytes", self.default_quota_bytes)
+        for name in _AUTO_INTS:  # "auto" (a configuration file's spelling): derived
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() == "auto":
+                object.__setattr__(self, name, None)
         for name in ("lookup_cache_keys", "recent_writes_bytes"):
             value = getattr(self, name)
+            if name == "recent_writes_bytes" and value is None:
+                continue  # derived from the memory available
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidRequestError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.recent_writes_tenant_bytes is not None:
+            _check_positive_int("recent_writes_tenant_bytes", self.recent_writes_tenant_bytes)
         for name in ("seal_workers", "load_workers", "window"):
             value = getattr(self, name)
             if value is not None:
@@ -447,6 +463,7 @@ def open_blocks(config: CacheConfig) -> BlockStore:
             map_reads=config.map_reads,
             direct_writes=config.direct_writes,
             recent_writes_bytes=config.recent_writes_bytes,
+            recent_writes_tenant_bytes=config.recent_writes_tenant_bytes,
         )
     except BlockStoreUrlError as err:
         raise InvalidRequestError(f"block_store_url: {err}") from None
@@ -462,7 +479,10 @@ _INTS = {
     "default_quota_bytes",
     "lookup_cache_keys",
     "recent_writes_bytes",
+    "recent_writes_tenant_bytes",
 }
+#: Integers whose default (None) is derived, spelled ``auto`` in the environment.
+_AUTO_INTS = {"recent_writes_bytes", "recent_writes_tenant_bytes"}
 _FLOATS = {
     "hit_cost",
     "gc_interval",
@@ -485,6 +505,8 @@ _BOOLS = {
 
 def _parse_env(name: str, raw: str) -> Any:
     try:
+        if name in _AUTO_INTS and raw.strip().lower() == "auto":
+            return None
         if name in _INTS:
             return int(raw)
         if name in _FLOATS:

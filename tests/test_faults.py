@@ -31,8 +31,8 @@ class FaultyStore(LocalBlockStore):
             raise StorageError(f"opening extent failed: {os.strerror(errno.EMFILE)}")
         return super().open(extent_id)
 
-    def create(self) -> ExtentWriter:
-        writer = super().create()
+    def create(self, owner: str = "") -> ExtentWriter:
+        writer = super().create(owner)
         if not self.fail_write:
             return writer
         real_write_at = writer.write_at

@@ -141,8 +141,8 @@ class _FailingStore(LocalBlockStore):
         super().__init__(root, durable=False)
         self.fail_at = fail_at
 
-    def create(self) -> ExtentWriter:
-        writer = super().create()
+    def create(self, owner: str = "") -> ExtentWriter:
+        writer = super().create(owner)
         real_write_at = writer.write_at
         calls = 0
         lock = threading.Lock()
@@ -215,8 +215,8 @@ class _CountingExecutor(ThreadPoolExecutor):
 class _SlowStore(LocalBlockStore):
     """Every piece's write takes a while, so unbounded submission would pile pieces up."""
 
-    def create(self) -> ExtentWriter:
-        writer = super().create()
+    def create(self, owner: str = "") -> ExtentWriter:
+        writer = super().create(owner)
         real_write_at = writer.write_at
 
         def write_at(offset: int, data: Buffer) -> None:

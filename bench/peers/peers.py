@@ -50,6 +50,7 @@ for p in (str(PEERS_DIR), str(PEERS_DIR.parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import modes as M  # noqa: E402
 import report  # noqa: E402
 import systems as S  # noqa: E402
 from _common import GB, machine_info  # noqa: E402
@@ -610,6 +611,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tenant-tokens", type=int, default=2048)
     ap.add_argument("--tenant-window", type=float, default=10.0, help="seconds per rep")
     ap.add_argument("--tenant-reps", type=int, default=3)
+    ap.add_argument(
+        "--modes",
+        default=",".join(M.MODES),
+        help="the modes timed side by side at --mode-tokens (warm, cold, stored; '' for none)",
+    )
+    ap.add_argument("--mode-tokens", default="8192", help="the sizes the modes run at")
+    ap.add_argument("--mode-reps", type=int, default=None, help="rounds of the modes (--reps)")
+    ap.add_argument(
+        "--modes-from",
+        metavar="MODES_JSON",
+        help="only write modes.md and modes.png again (into --out) from a run's modes.json",
+    )
+    ap.add_argument(
+        "--only-modes",
+        action="store_true",
+        help="run the modes alone and write modes.md, modes.png and modes.json into --out "
+        "(BENCHMARKS.md untouched): a machine too small or too busy for the whole run",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where the data goes (default: system temp)")
     ap.add_argument("--out", default=None, help="plots and JSON (default bench/peers/results)")
@@ -636,6 +655,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.smoke_groups = True
         args.lookup_tokens, args.lookup_reps = 2048, 2
         args.tenant_tokens, args.tenant_window, args.tenant_reps = 256, 0.3, 1
+        args.mode_tokens = "256"
         if args.out is None:  # never over the committed outputs; removed after the run
             args.scratch_out = tempfile.mkdtemp(prefix="peers-smoke-out-")
             args.out = args.scratch_out
@@ -648,6 +668,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.modes_from:
+        saved = json.loads(Path(args.modes_from).read_text(encoding="utf-8"))
+        runs_back = [M.from_json(r) for r in saved["runs"]]
+        return write_modes_only(args, runs_back, saved["info"], saved["started"], saved=saved)
     if args.replot:
         data = json.loads(Path(args.replot).read_text(encoding="utf-8"))
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -671,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(info, indent=2), flush=True)
 
     runs: list[SizeRun] = []
-    for number, tokens in enumerate(sizes):
+    for number, tokens in enumerate([] if args.only_modes else sizes):
         workdir = Path(tempfile.mkdtemp(prefix=f"peers-{tokens}-", dir=base))
         share = 0.0 if args.smoke_groups and number > 0 else args.page_cache_share
         try:
@@ -682,6 +706,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
             S.collect()
         report.print_size(runs[-1])
+
+    mode_names = [m for m in str(args.modes).split(",") if m]
+    unknown = set(mode_names) - set(M.MODES)
+    if unknown:
+        sys.exit(f"error: unknown --modes {', '.join(sorted(unknown))}")
+    mode_runs: list[M.ModesRun] = []
+    for tokens in [int(x) for x in str(args.mode_tokens).split(",") if x and mode_names]:
+        workdir = Path(tempfile.mkdtemp(prefix=f"peers-modes-{tokens}-", dir=base))
+        try:
+            mode_runs.append(
+                M.run_modes(
+                    tenantkv,
+                    LAYERS,
+                    tokens,
+                    args.mode_reps or args.reps,
+                    args.threads,
+                    workdir,
+                    args.seed,
+                    mode_names,
+                    one_load,
+                )
+            )
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            S.collect()
+        print(M.markdown(mode_runs[-1], report.md_table), flush=True)
+    if args.only_modes:
+        written = write_modes_only(args, mode_runs, info, started, argv)
+        if args.scratch_out is not None:
+            shutil.rmtree(args.scratch_out, ignore_errors=True)
+        return written
 
     workdir = Path(tempfile.mkdtemp(prefix="peers-misc-", dir=base))
     try:
@@ -701,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     text, data = report.build(
         runs=runs,
+        modes=mode_runs,
         lookups=lookups,
         tenants=tenants,
         info=info,
@@ -724,6 +780,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scratch_out is not None:
         shutil.rmtree(args.scratch_out, ignore_errors=True)
         print(f"(smoke: removed {args.scratch_out})")
+    return 0
+
+
+def write_modes_only(
+    args: argparse.Namespace,
+    mode_runs: list[M.ModesRun],
+    info: dict[str, Any],
+    started: float,
+    argv: Sequence[str] | None = None,
+    saved: dict[str, Any] | None = None,
+) -> int:
+    """``--only-modes``: the modes' tables with the machine, the command and the load average
+    into ``modes.md`` under ``--out`` (with ``modes.png`` and ``modes.json``); ``saved``: a
+    run's ``modes.json``, written again (``--modes-from``)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if saved is None:
+        cmd = "bench/peers/.venv/bin/python bench/peers/peers.py " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        saved = {
+            "info": info,
+            "started": started,
+            "command": cmd.strip(),
+            "minutes": (time.time() - started) / 60,
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "runs": [M.as_json(r) for r in mode_runs],
+        }
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
+    lines = [
+        "# Warm, cold and just stored (`peers.py --only-modes`)",
+        "",
+        f"- date: {when} (the run took {saved['minutes']:.1f} min)",
+        f"- command: `{saved['command']}`",
+        f"- load average after the run: {saved['load_after']}"
+        " (1/5/15 min; the machine is shared: other load skews every figure)",
+        *(f"- {k}: {v}" for k, v in info.items()),
+        "",
+        *(M.markdown(run, report.md_table) for run in mode_runs),
+        "",
+        "![modes](modes.png)",
+        "",
+    ]
+    if mode_runs:
+        report.plot_modes(mode_runs, out / "modes.png")
+    (out / "modes.md").write_text("\n".join(lines), encoding="utf-8")
+    (out / "modes.json").write_text(json.dumps(saved, indent=1), encoding="utf-8")
+    print(f"wrote {out / 'modes.md'}, modes.png and modes.json")
     return 0
 
 

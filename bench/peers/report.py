@@ -326,6 +326,45 @@ def plot_loads(sizes: Sequence[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def plot_modes(runs: Sequence[Any], path: Path) -> None:
+    """Median GB/s per system in each mode (min-max as error bars), one panel per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import modes as M
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        nbytes = run.shape.total_bytes
+        names: list[str] = []
+        for systems in run.systems.values():
+            for s in systems:
+                if s.name not in names:
+                    names.append(s.name)
+        width = 0.8 / max(1, len(run.systems))
+        for k, (mode, systems) in enumerate(run.systems.items()):
+            xs, meds, lo, hi = [], [], [], []
+            for s in systems:
+                g = sorted(nbytes / t / 1e9 for t in s.seconds)
+                if not g:
+                    continue
+                med = statistics.median(g)
+                xs.append(names.index(s.name) + k * width)
+                meds.append(med)
+                lo.append(med - g[0])
+                hi.append(g[-1] - med)
+            ax.bar(xs, meds, width, yerr=[lo, hi], label=M.MODE_TITLES[mode], capsize=3)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
+        ax.set_xticklabels([n.replace(" ", "\n", 1) for n in names], fontsize=7)
+        ax.set_ylabel("GB/s (median; bars min-max)")
+        ax.set_title(f"{run.shape.tokens:,} tokens, {nbytes / 1e6:.0f} MB")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_lookups(lookups: dict[str, list[float]], tokens: int, path: Path) -> None:
     plt = pyplot()
     names = list(lookups)
@@ -392,6 +431,7 @@ def build(
     *,
     runs: Sequence[Any],
     lookups: dict[str, list[float]],
+    modes: Sequence[Any] = (),
     tenants: dict[str, Any],
     info: dict[str, str],
     args: dict[str, Any],
@@ -566,6 +606,30 @@ def build(
             }
         )
     md += [f"![loads]({rel}/loads.png)", ""]
+
+    # ---- warm, cold, just stored ---------------------------------------------------------------
+    if modes:
+        import modes as M
+
+        md += [
+            "## Warm, cold and just stored",
+            "",
+            "The same systems timed in three modes, side by side in one run (`modes.py`):"
+            " **warm** (files in the page cache), **cold** (each system's files fsynced and"
+            " dropped from the page cache, `POSIX_FADV_DONTNEED`, before each of its loads) and"
+            " **just stored** (each round stores the prefix anew, untimed, then loads it at"
+            " once). Rounds alternate forward and backward through the modes and the systems;"
+            " every loaded byte is checked. tenantkv's warm and cold rows read a cache opened"
+            " with `recent_writes_bytes=0` (the page cache's case, then the device's); its"
+            " just-stored row a cache with the defaults (a ring of recent writes per tenant,"
+            " sized from the memory available).",
+            "",
+        ]
+        for mode_run in modes:
+            md += [M.markdown(mode_run, md_table), ""]
+        plot_modes(modes, plots_dir / "modes.png")
+        md += [f"![modes]({rel}/modes.png)", ""]
+        data["modes"] = [M.as_json(m) for m in modes]
 
     # ---- lookups ---------------------------------------------------------------------------
     lt = args["lookup_tokens"]

@@ -367,12 +367,14 @@ class TenantkvPrefix:
         tokens: list[int],
         want: Sequence[torch.Tensor],
         block_tokens: int | None = None,
+        open_kwargs: dict[str, Any] | None = None,
+        quota_bytes: int | None = None,
     ) -> None:
         self.suite = suite if block_tokens is None else f"{suite} {block_tokens}-token blocks"
         self.root = root
-        self.kv = tenantkv.open(root, suite=suite)
+        self.kv = tenantkv.open(root, suite=suite, **(open_kwargs or {}))
         blocks = {} if block_tokens is None else {"block_tokens": block_tokens}
-        quota = 4 * shape.total_ct_bytes + 2**30
+        quota = quota_bytes or 4 * shape.total_ct_bytes + 2**30
         layout = deepseek_layout(shape.layers)
         self.ns = tenant_namespace(self.kv, "peers", layout, quota_bytes=quota, **blocks)
         stored = self.ns.store(tokens, list(want))
@@ -380,11 +382,21 @@ class TenantkvPrefix:
         if stored != shape.tokens or found != shape.tokens:
             raise RuntimeError(f"tenantkv {suite}: stored {stored}, lookup found {found}")
         self.tokens = tokens
+        self.shape = shape
+
+    def restore(self, tokens: list[int], want: Sequence[torch.Tensor]) -> None:
+        """Store the prefix again under ``tokens`` (a new prompt with the same KV): the loads of
+        :meth:`systems` then load that one (the just-stored mode of ``modes.py``)."""
+        stored = self.ns.store(tokens, list(want))
+        if stored != self.shape.tokens:
+            raise RuntimeError(f"tenantkv {self.suite}: stored {stored} of {self.shape.tokens}")
+        self.tokens = tokens
 
     def systems(self, bufs: Sequence[torch.Tensor], zero: Callable[[], None]) -> list[System]:
-        ns, tokens, out = self.ns, self.tokens, list(bufs)
+        ns, out = self.ns, list(bufs)
 
         def with_out() -> tuple[Loaded, float, float]:
+            tokens = self.tokens
             t0 = time.perf_counter()
             first = 0.0
             got: list[torch.Tensor] = []
@@ -396,6 +408,7 @@ class TenantkvPrefix:
             return got, first - t0, time.perf_counter() - t0
 
         def fresh_kept() -> tuple[Loaded, float, float]:
+            tokens = self.tokens
             t0 = time.perf_counter()
             first = 0.0
             with ns.load(tokens) as stream:

@@ -38,6 +38,7 @@ def seal_extent(
     workers: int,
     window: int,
     retain_for: float,
+    owner: str = "",
 ) -> str:
     """Seal and write one extent on ``executor``, a bounded window of pieces at a time; then
     commit it and return its id.
@@ -47,7 +48,9 @@ def seal_extent(
     tensor per layer, starting at block ``first_row_block`` of the prefix (a store may be passed
     only the tokens after those already cached), so no position may lie before it.
     ``retain_for`` is the retention of the extent's class, for stores that expire extents
-    themselves. A failure (the store's StorageError, say) aborts the writer: nothing is left.
+    themselves. ``owner`` (the tenant) is whose memory of recent writes keeps the extent
+    (``BlockStore.create``). A failure (the store's StorageError, say) aborts the writer:
+    nothing is left.
 
     A piece is up to ``STORE_PIECE_BYTES`` of one layer's segments: pieces go to disjoint
     offsets, so workers seal and write them in parallel (one ``write_at`` each; one worker
@@ -65,7 +68,7 @@ def seal_extent(
         for layer in range(geometry.num_layers)
         for first in range(0, geometry.num_blocks, per_piece)
     ]
-    with store.create() as writer:
+    with store.create(owner) as writer:
         writer.reserve(geometry.total_bytes)
         writer.write_at(0, geometry.header())
         pending: set[Future[None]] = set()

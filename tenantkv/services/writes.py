@@ -223,6 +223,7 @@ class NamespaceWrites(NamespaceKeys):
             workers=runtime.workers,
             window=runtime.window,
             retain_for=retention[kind],
+            owner=str(self.identity.tenant_id),
         )
         try:
             inserted, evicted = self._index_extent(
