@@ -43,7 +43,15 @@ ADMIN_S = 3.0
 #: Added to each bound before a call counts as too slow: generous, for a shared 2-core machine.
 MARGIN_S = 4.0
 #: Calls whose index transactions are the serving path's.
-SERVING_CALLS = {"lookup", "cached_length", "prefetch", "store", "load", "stream.close"}
+SERVING_CALLS = {
+    "lookup",
+    "cached_length",
+    "prefetch",
+    "store",
+    "store_pages",
+    "load",
+    "stream.close",
+}
 #: Closing the cache is what the test does last.
 NOT_CALLED = {"close"}
 WORKERS = 6
@@ -108,6 +116,7 @@ def _calls(
     the running load; ``tag`` keeps names apart between the fault and the healed rounds."""
     by = Attribution(actor="outage-test", role="operator")
     fresh = random_tokens(TOKENS, seed=_STORE_SEEDS[tag])
+    page = random_tokens(ns.block_tokens, seed=_STORE_SEEDS[tag] + 10)
 
     def load_all() -> None:
         with ns.load(hot) as running:
@@ -119,15 +128,18 @@ def _calls(
         "audit": lambda: kv.audit,
         "capacity_bytes": lambda: kv.capacity_bytes,
         "check_available": kv.check_available,
+        "closed": lambda: kv.closed,
         "config": lambda: kv.config,
         "context": lambda: kv.context,
         "create_tenant": lambda: kv.create_tenant(f"new-{tag}", quota_bytes=2**20),
         "delete_tenant": lambda: kv.delete_tenant(f"doomed-{tag}"),
         "gc": kv.gc,
         "get_tenant": lambda: kv.get_tenant("acme"),
+        "health": kv.health,
         "health_counters": kv.health_counters,
         "inference_keys": lambda: kv.inference_keys,
         "info": kv.info,
+        "jobs": lambda: kv.jobs,
         "leased_extents": kv.leased_extents,
         "list_tenants": kv.list_tenants,
         "metrics_registry": lambda: kv.metrics_registry,
@@ -145,6 +157,7 @@ def _calls(
         "tokens": lambda: kv.tokens,
         "update_tenant": lambda: kv.update_tenant("acme", quota_bytes=2**30 + 1),
         "usage": lambda: kv.usage("acme"),
+        "usage_of_all": kv.usage_of_all,
         # the services the edges reach through the facade
         "tokens.listing": kv.tokens.listing,
         "tokens.create": lambda: kv.tokens.create("auditor"),
@@ -152,6 +165,7 @@ def _calls(
         "inference_keys.create": lambda: kv.inference_keys.create("acme", f"key-{tag}"),
         "inference_keys.list": lambda: kv.inference_keys.list("acme"),
         "inference_keys.authenticate": lambda: kv.inference_keys.authenticate(inference_key),
+        "jobs.listing": kv.jobs.listing,
         "audit.export": lambda: list(kv.audit.export(tenant="acme")),
         "audit.current_chain": lambda: kv.audit.current_chain("acme"),
         "audit.checkpoint": lambda: kv.audit.checkpoint(None, by),
@@ -168,6 +182,9 @@ def _calls(
         "record_request": lambda: ns.record_request(64, 64),
         "scope": lambda: ns.scope,
         "store": lambda: ns.store(fresh, random_layers(MLA_SMALL, TOKENS, seed=7)),
+        "store_pages": lambda: ns.store_pages(
+            [page], random_layers(MLA_SMALL, ns.block_tokens, seed=8)
+        ),
         "tenant": lambda: ns.tenant,
     }
     # Every public name is called: a method added later must join the table.

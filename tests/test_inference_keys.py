@@ -24,6 +24,7 @@ from tenantkv.config import config_for_root
 from tenantkv.crypto import KeyEncryptionKey, KeyFileProvider
 from tenantkv.errors import InvalidRequestError, TenantNotFoundError
 from tenantkv.index.inference_keys import InferenceKey
+from tenantkv.index.migrate import head_revision
 from tenantkv.services.inference_keys import InferenceIdentity, InferenceKeyService, key_id_of
 from tenantkv.services.schema_upgrade import upgrade_index
 from tenantkv.services.tokens import AuthError
@@ -340,7 +341,7 @@ def test_an_index_of_the_previous_revision_upgrades_to_hold_inference_keys(
         tenantkv.open(root)
     key = KeyEncryptionKey(KeyFileProvider(root / "master.key", create=False).load())
     done = upgrade_index(config_for_root(root), key)
-    assert (done.before, done.after) == ("blocks_by_extent_slot", "inference_keys")
+    assert (done.before, done.after) == ("blocks_by_extent_slot", head_revision())
     with tenantkv.open(root) as kv:
         _, secret = kv.inference_keys.create("acme", "app")
         assert kv.inference_keys.authenticate(secret) is not None
