@@ -13,6 +13,7 @@ import pytest
 import tenantkv
 from tenantkv import InvalidRequestError, TenantKV
 from tenantkv.cli import main
+from tenantkv.cli.output import size
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 from tests.indexes import Index
 
@@ -85,6 +86,8 @@ def test_usage_of_every_tenant_in_one_table(root: str, capsys: pytest.CaptureFix
     assert rows["acme"]["hit_tokens"] == expected["hit_tokens"] == 64
     assert rows["acme"]["miss_tokens"] == expected["miss_tokens"]
     assert rows["acme"]["served_tokens"] == 64
+    assert rows["acme"]["served_bytes"] == 64 * MLA_SMALL.num_layers * MLA_SMALL.token_bytes
+    assert rows["globex"]["served_bytes"] == 0
     looked_up = expected["hit_tokens"] + expected["miss_tokens"]
     assert rows["acme"]["hit_ratio"] == pytest.approx(64 / looked_up)
     assert rows["acme"]["cost_units"] == pytest.approx(expected["miss_tokens"] + 64 / 50)
@@ -95,6 +98,7 @@ def test_usage_of_every_tenant_in_one_table(root: str, capsys: pytest.CaptureFix
     assert code == 2 and err == "tenantkv: since must be before until\n"
     code, out, _ = run(capsys, "usage", root, "--since", "7d")
     assert code == 0 and "acme" in out and f"{100 * 64 / looked_up:.1f}%" in out
+    assert "served bytes" in out and size(rows["acme"]["served_bytes"]) in out
     code, _, err = run(capsys, "usage", root, "--since", "30s")
     assert code == 2 and "metering resolution of 60 seconds" in err
     code, _, err = run(capsys, "usage", root, "--since", "last week")
