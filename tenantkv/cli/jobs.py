@@ -1,11 +1,12 @@
 """``tenantkv job list|show|wait|resume|run``, and how the commands that start a job run it.
 
-A long operation started from the CLI (``datakey retire``, ``purge``, ``tenant delete``) is a
-job in the index like one started over the admin API: it waits with a progress bar on stderr
-(``--json``: the job's final state on stdout, no bar), or with ``--detach`` prints the job id
-and leaves it to a process of its own (``tenantkv job run ID``, started in a new session, so it
-survives the terminal closing). ``job wait`` follows any job, from this host or the server,
-by polling its row; ``job resume`` queues an interrupted or failed one again and runs it.
+A long operation started from the CLI (``datakey retire``, ``purge``, ``tenant delete``,
+``gc``) is a job in the index like one started over the admin API: it waits with a progress
+bar on stderr (``--json``: the job's final state on stdout, no bar), or with ``--detach``
+prints the job id and leaves it to a process of its own (``tenantkv job run ID``, started in a
+new session, so it survives the terminal closing). ``job wait`` follows any job, from this host
+or the server, by polling its row; ``job resume`` queues an interrupted or failed one again and
+runs it.
 """
 
 from __future__ import annotations
