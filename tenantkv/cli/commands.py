@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .. import __version__
 from ..config import check_environment, config_for_root, default_root
@@ -215,10 +216,18 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     try:
         with opened(args.root) as kv:
             info = kv.jobs.start("gc", None, params, by=operator())
-            return run_job(kv, info, args, "gc")
+            return run_job(kv, info, args, "gc", _gc_summary)
     except CacheNotFoundError as err:
         print(f"tenantkv gc: {err}", file=sys.stderr)
         return 1
+
+
+def _gc_summary(result: dict[str, Any]) -> str:
+    return (
+        f"gc: {result['expired_extents']} expired extents "
+        f"({result['expired_bytes'] / 2**20:.1f} MiB), {result['orphans_removed']} orphaned "
+        f"files and {result['temporary_removed']} leftover temporary files removed"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
