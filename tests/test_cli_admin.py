@@ -5,6 +5,10 @@ sentence and a non-zero exit, the traceback only with ``--debug``."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,7 @@ import pytest
 import tenantkv
 from tenantkv import InvalidRequestError, TenantKV
 from tenantkv.cli import main
+from tenantkv.cli.output import size
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 from tests.indexes import Index
 
@@ -85,6 +90,8 @@ def test_usage_of_every_tenant_in_one_table(root: str, capsys: pytest.CaptureFix
     assert rows["acme"]["hit_tokens"] == expected["hit_tokens"] == 64
     assert rows["acme"]["miss_tokens"] == expected["miss_tokens"]
     assert rows["acme"]["served_tokens"] == 64
+    assert rows["acme"]["served_bytes"] == 64 * MLA_SMALL.num_layers * MLA_SMALL.token_bytes
+    assert rows["globex"]["served_bytes"] == 0
     looked_up = expected["hit_tokens"] + expected["miss_tokens"]
     assert rows["acme"]["hit_ratio"] == pytest.approx(64 / looked_up)
     assert rows["acme"]["cost_units"] == pytest.approx(expected["miss_tokens"] + 64 / 50)
@@ -95,6 +102,7 @@ def test_usage_of_every_tenant_in_one_table(root: str, capsys: pytest.CaptureFix
     assert code == 2 and err == "tenantkv: since must be before until\n"
     code, out, _ = run(capsys, "usage", root, "--since", "7d")
     assert code == 0 and "acme" in out and f"{100 * 64 / looked_up:.1f}%" in out
+    assert "served bytes" in out and size(rows["acme"]["served_bytes"]) in out
     code, _, err = run(capsys, "usage", root, "--since", "30s")
     assert code == 2 and "metering resolution of 60 seconds" in err
     code, _, err = run(capsys, "usage", root, "--since", "last week")
@@ -132,6 +140,44 @@ def test_purge_and_data_keys_run_as_jobs(
     assert code == 2 and "only an interrupted or failed job resumes" in err
     code, _, err = run(capsys, "job", "show", "0123456789abcdef", root)
     assert code == 2 and err == "tenantkv: no job 0123456789abcdef\n"
+
+
+def _orphan(indexed: Path, age: float) -> Path:
+    """A copy of an extent file under a fresh id (so unindexed), last modified ``age`` ago."""
+    new_id = secrets.token_hex(16)
+    target = indexed.parent.with_name(new_id[:2]) / f"{new_id}.tkx"
+    target.parent.mkdir(exist_ok=True)
+    shutil.copyfile(indexed, target)
+    then = time.time() - age
+    os.utime(target, (then, then))
+    return target
+
+
+def test_gc_runs_as_a_job(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with tenantkv.open(root, create=False) as kv:
+        kept = store(kv, "acme", seed=1)
+    (indexed,) = (Path(root) / "blocks" / "extents").glob("*/*.tkx")
+    old, young = _orphan(indexed, age=3600), _orphan(indexed, age=0)
+    done = run_json(capsys, "gc", root, "--orphan-grace", "600")
+    assert done["kind"] == "gc" and done["state"] == "succeeded" and done["tenant"] is None
+    assert done["result"]["orphans_removed"] == 1 and done["result"]["expired_extents"] == 0
+    assert done["total"] is not None and done["done"] == done["total"]  # what the bar shows
+    assert not old.exists() and young.exists()  # within the grace: maybe a store in flight
+    code, out, err = run(capsys, "gc", root, "--detach", "--orphan-grace", "0")
+    assert code == 0 and "job wait" in err
+    waited = run_json(capsys, "job", "wait", out.strip(), root)
+    assert waited["kind"] == "gc" and waited["state"] == "succeeded"
+    assert waited["result"]["orphans_removed"] == 1 and not young.exists()
+    assert indexed.exists()  # the indexed extent is kept, however old
+    with tenantkv.open(root, create=False) as kv:
+        assert kv.namespace("acme", model="m", layout=MLA_SMALL).lookup(kept) == 64
+    code, out, _ = run(capsys, "gc", root)
+    assert code == 0 and "0 orphaned files" in out and "(job " in out
+    listed = run_json(capsys, "job", "list", root)
+    assert [j["kind"] for j in listed] == ["gc", "gc", "gc"]
+    code, _, err = run(capsys, "gc", root, "--orphan-grace", "-1")
+    assert code == 2 and err.count("\n") == 1 and "orphan_grace must be from 0" in err
+    assert len(run_json(capsys, "job", "list", root)) == 3  # refused before any job was made
 
 
 def test_capacity_and_overcommit(root: str, capsys: pytest.CaptureFixture[str]) -> None:

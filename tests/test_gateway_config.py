@@ -56,6 +56,7 @@ FULL_TABLE: dict[str, tuple[str, Any]] = {
     "backend_cooldown": ("10.0", 10.0),
     "affinity_chars": ("1024", 1024),
     "affinity_messages": ("3", 3),
+    "log_format": ('"json"', "json"),
 }
 
 

@@ -419,7 +419,9 @@ class TenantMachine(RuleBasedStateMachine):
             for index, (g, w) in enumerate(zip(got, want, strict=True)):
                 assert isinstance(g, torch.Tensor) and g.dtype == w.dtype, f"layer {index}"
                 assert layer_bytes(g) == layer_bytes(w), f"layer {index} differs"
-            self.meter(space, served_tokens=cached * BLOCK_TOKENS)
+            # Bytes served: the decoded tensors the caller got, counted from them.
+            served = sum(g.numel() * g.element_size() for g in got)
+            self.meter(space, served_tokens=cached * BLOCK_TOKENS, served_bytes=served)
             retention = self.tenants[SPACES[space].tenant].retention
             for ident in {self.index[space][key] for key in keys[:cached]}:
                 extent = self.extents[ident]

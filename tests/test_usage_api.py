@@ -42,6 +42,34 @@ def test_every_tenants_usage_in_one_call(api: Api) -> None:
     assert api.client.get("/v1/usage", headers=api.acme).status_code == 403
 
 
+def _served_bytes(api: Api) -> dict[str, int]:
+    response = api.client.get("/v1/usage", headers=api.operator)
+    assert response.status_code == 200, response.text
+    return {row["tenant"]: row["served_bytes"] for row in response.json()}
+
+
+def _load_all(api: Api, tenant: str, tokens: list[int]) -> int:
+    """Load every layer of ``tokens`` as ``tenant``; the decoded bytes the caller got."""
+    with api.kv.namespace(tenant, model="m", layout=MLA_SMALL).load(tokens) as stream:
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in stream)
+
+
+def test_bytes_served_move_for_the_tenant_whose_load_hit_only(api: Api) -> None:
+    acme_tokens = store_some(api.kv, "acme", seed=1)
+    globex_tokens = store_some(api.kv, "globex", seed=2)
+    assert _served_bytes(api) == {"acme": 0, "globex": 0}  # storing serves nothing
+    got = _load_all(api, "acme", acme_tokens)
+    assert got == 128 * MLA_SMALL.num_layers * MLA_SMALL.token_bytes  # the decoded tensors
+    assert _served_bytes(api) == {"acme": got, "globex": 0}  # globex's count did not move
+    assert api.kv.usage("acme").counters["served_bytes"] == got
+    globex_got = _load_all(api, "globex", globex_tokens[:64])  # positive control: its own hit
+    assert _served_bytes(api) == {"acme": got, "globex": globex_got}
+    assert globex_got == got // 2
+    with api.kv.namespace("acme", model="m", layout=MLA_SMALL).load(acme_tokens) as stream:
+        next(iter(stream))  # one layer of three: the load is not a full serve
+    assert _served_bytes(api)["acme"] == got
+
+
 def test_time_filters_take_iso_8601_epoch_seconds_and_relative_times(api: Api) -> None:
     tokens = store_some(api.kv, "acme")
     api.kv.namespace("acme", model="m", layout=MLA_SMALL).lookup(tokens)

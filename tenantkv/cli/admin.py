@@ -154,7 +154,17 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     window = f"{iso(since) or 'the beginning'} to {iso(until) or 'now'}"
     table(
         f"usage from {window}",
-        ["tenant", "hits", "misses", "hit ratio", "served", "stored", "stored bytes", "cost"],
+        [
+            "tenant",
+            "hits",
+            "misses",
+            "hit ratio",
+            "served",
+            "served bytes",
+            "stored",
+            "stored bytes",
+            "cost",
+        ],
         [
             (
                 r["tenant"],
@@ -162,6 +172,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
                 r["miss_tokens"],
                 "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}%",
                 r["served_tokens"],
+                size(r["served_bytes"]),
                 r["stored_tokens"],
                 size(r["stored_bytes"]),
                 r["cost_units"],

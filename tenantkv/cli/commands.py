@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .. import __version__
 from ..config import check_environment, config_for_root, default_root
@@ -37,6 +38,7 @@ from .config import validate_file
 from .conformance import register as register_conformance_command
 from .db import register as register_db_commands
 from .gateway import register as register_gateway_commands
+from .jobs import add_job_options
 from .jobs import register as register_job_commands
 from .keys import register as register_key_commands
 from .server import register as register_server_commands
@@ -205,21 +207,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from .. import open as open_cache
-    from ..services.gc import text_progress
+    """GC as a job (the kind ``POST /v1/gc`` starts): a progress bar while it runs here, or
+    ``--detach`` for its id; the job row keeps its result and lets it be resumed."""
+    from .jobs import run_job
+    from .output import opened, operator
 
+    params = {} if args.orphan_grace is None else {"orphan_grace": args.orphan_grace}
     try:
-        with open_cache(config_for_root(args.root), create=False) as kv:
-            report = kv.gc(orphan_grace=args.orphan_grace, progress=text_progress("gc"))
+        with opened(args.root) as kv:
+            info = kv.jobs.start("gc", None, params, by=operator())
+            return run_job(kv, info, args, "gc", _gc_summary)
     except CacheNotFoundError as err:
         print(f"tenantkv gc: {err}", file=sys.stderr)
         return 1
-    print(
-        f"gc: {report.expired_extents} expired extents ({report.expired_bytes / 2**20:.1f} MiB), "
-        f"{report.orphans_removed} orphaned files and {report.temporary_removed} leftover "
-        "temporary files removed"
+
+
+def _gc_summary(result: dict[str, Any]) -> str:
+    return (
+        f"gc: {result['expired_extents']} expired extents "
+        f"({result['expired_bytes'] / 2**20:.1f} MiB), {result['orphans_removed']} orphaned "
+        f"files and {result['temporary_removed']} leftover temporary files removed"
     )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,9 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument(
         "--orphan-grace",
         type=float,
-        default=600.0,
-        help="spare unindexed files younger than this many seconds (a store may be in flight)",
+        default=None,
+        help="spare unindexed files younger than this many seconds, a store may be in flight "
+        "(default: the cache's orphan_grace, 600)",
     )
+    add_job_options(gc)
     gc.set_defaults(handler=_cmd_gc)
 
     register_admin_commands(commands)

@@ -13,6 +13,7 @@ embedders may pass another source.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import config_for_root, default_root
 from ..errors import InvalidRequestError, TenantKVError
+from ..json_logs import LOG_FORMATS, LogFormat
+from ..json_logs import configure as configure_logs
+
+#: The variable ``tenantkv serve`` reads its log format from; the gateway honours it too.
+LOG_FORMAT_ENV = "TENANTKV_LOG_FORMAT"
 
 if TYPE_CHECKING:  # the gateway needs its extra (fastapi, httpx, xxhash) only when it runs
     from ..api import TenantKV  # (and the cache its data path, torch: not for --help)
@@ -40,6 +46,8 @@ class GatewayOptions:
     settings: GatewaySettings
     host: str = "127.0.0.1"
     port: int = 8480
+    #: ``json``: one JSON object per log line (``tenantkv.json_logs``), as ``tenantkv serve``.
+    log_format: LogFormat = "text"
 
 
 def _authenticator(kv: TenantKV) -> KeyAuthenticator:
@@ -82,10 +90,18 @@ def serve_gateway(options: GatewayOptions, authenticator_factory: AuthenticatorF
     except ImportError as err:
         print(f"tenantkv gateway needs the gateway extra: {err}", file=sys.stderr)
         return 2
+    json_logs = options.log_format == "json"
+    if json_logs:
+        # As ``tenantkv serve`` does: the root logger formats every line (the cache's, the
+        # gateway's, uvicorn's), secrets redacted; the request path is not touched.
+        configure_logs("json", level="info")
     try:
         with open_cache(config_for_root(options.root), create=False) as kv:
             app = build_gateway(kv, options, authenticator_factory)
-            uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
+            # JSON: uvicorn's loggers go to the root handler configured above (no config of
+            # its own); text: its defaults, as before.
+            logs: dict[str, Any] = {"log_config": None} if json_logs else {}
+            uvicorn.run(app, host=options.host, port=options.port, log_level="warning", **logs)
     except (TenantKVError, OSError, ValueError) as err:
         print(f"tenantkv gateway: {err}", file=sys.stderr)
         return 2
@@ -99,6 +115,8 @@ def gateway_options(root: str, config_file: str | None = None, **flags: Any) -> 
     field) for a bad value, or for an audience, backend or secret file given nowhere."""
     from ..gateway.config_section import load_gateway_table
 
+    if flags.get("log_format") is None and os.environ.get(LOG_FORMAT_ENV):
+        flags = {**flags, "log_format": os.environ[LOG_FORMAT_ENV]}  # flag > variable > file
     table = load_gateway_table(config_file, **flags)
     missing = table.missing()
     if missing:
@@ -118,6 +136,7 @@ def gateway_options(root: str, config_file: str | None = None, **flags: Any) -> 
         settings=table.settings(),
         host=table.host,
         port=table.port,
+        log_format="json" if table.log_format == "json" else "text",
     )
 
 
@@ -131,6 +150,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             port=args.port,
             secret_file=args.secret_file,
             signing_key_file=args.signing_key_file,
+            log_format=args.log_format,
         )
     except ImportError as err:
         print(f"tenantkv gateway needs the gateway extra: {err}", file=sys.stderr)
@@ -167,5 +187,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--signing-key-file",
         default=None,
         help="PEM Ed25519 private key of the gateway ([gateway] signing_key_file)",
+    )
+    gateway.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help="text (default) or json: one object per line, no keys, tokens or prompt text "
+        "([gateway] log_format, TENANTKV_LOG_FORMAT)",
     )
     gateway.set_defaults(handler=_cmd_gateway)

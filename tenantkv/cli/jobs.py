@@ -1,11 +1,12 @@
 """``tenantkv job list|show|wait|resume|run``, and how the commands that start a job run it.
 
-A long operation started from the CLI (``datakey retire``, ``purge``, ``tenant delete``) is a
-job in the index like one started over the admin API: it waits with a progress bar on stderr
-(``--json``: the job's final state on stdout, no bar), or with ``--detach`` prints the job id
-and leaves it to a process of its own (``tenantkv job run ID``, started in a new session, so it
-survives the terminal closing). ``job wait`` follows any job, from this host or the server,
-by polling its row; ``job resume`` queues an interrupted or failed one again and runs it.
+A long operation started from the CLI (``datakey retire``, ``purge``, ``tenant delete``,
+``gc``) is a job in the index like one started over the admin API: it waits with a progress
+bar on stderr (``--json``: the job's final state on stdout, no bar), or with ``--detach``
+prints the job id and leaves it to a process of its own (``tenantkv job run ID``, started in a
+new session, so it survives the terminal closing). ``job wait`` follows any job, from this host
+or the server, by polling its row; ``job resume`` queues an interrupted or failed one again and
+runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import TenantKVError
@@ -38,8 +40,15 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
     add_json(parser)
 
 
-def run_job(kv: TenantKV, info: JobInfo, args: argparse.Namespace, label: str) -> int:
-    """Run a job just started, here with a progress bar, or detached; report how it ended."""
+def run_job(
+    kv: TenantKV,
+    info: JobInfo,
+    args: argparse.Namespace,
+    label: str,
+    summary: Callable[[dict[str, Any]], str] | None = None,
+) -> int:
+    """Run a job just started, here with a progress bar, or detached; report how it ended
+    (``summary``: the sentence a success prints, from the job's result)."""
     if args.detach:
         _spawn(info.id, args.root)
         if args.json:
@@ -53,13 +62,17 @@ def run_job(kv: TenantKV, info: JobInfo, args: argparse.Namespace, label: str) -
         return 0
     with progress_bar(label, enabled=not args.json and sys.stderr.isatty()) as bar:
         final = kv.jobs.run(info.id, observer=bar)
-    return report(final, args.json)
+    return report(final, args.json, summary)
 
 
-def report(info: JobInfo, as_json: bool) -> int:
+def report(
+    info: JobInfo, as_json: bool, summary: Callable[[dict[str, Any]], str] | None = None
+) -> int:
     """Print how a job ended; exit 0 if it succeeded, 1 if not."""
     if as_json:
         print_json(info)
+    elif info.state == "succeeded" and summary is not None:
+        print(f"{summary(info.result or {})} (job {info.id})")
     elif info.state == "succeeded":
         result = ", ".join(f"{k}={v}" for k, v in sorted((info.result or {}).items()))
         print(f"job {info.id} ({info.kind}{_on(info)}) succeeded: {result}")

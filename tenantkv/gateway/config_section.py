@@ -10,7 +10,9 @@ Precedence: a command-line flag > the file > defaults. There are no ``TENANTKV_G
 variables: the gateway never read any, each of its settings already has a flag, and a second
 set of names beside the admin server's ``TENANTKV_HOST``/``TENANTKV_PORT`` would be one more
 thing to misspell (an unknown ``TENANTKV_*`` variable is refused, so one cannot be set by
-mistake and silently ignored).
+mistake and silently ignored). The one variable it shares is ``TENANTKV_LOG_FORMAT``
+(``tenantkv.cli.gateway.gateway_options``: flag > variable > file): a host ships the logs of
+its admin server and gateway to the same place, in the same format.
 
 Every key is checked when the table is built, so ``tenantkv config check`` reports a bad
 backend URL or an out-of-range limit with its file, line and field; whether the secret files
@@ -27,6 +29,7 @@ from typing import Any, Final
 
 from ..config import check_environment
 from ..errors import InvalidRequestError
+from ..json_logs import LOG_FORMATS
 from ..settings_file import CONFIG_ENV, Section, SettingsFile
 from .settings import GatewaySettings, check_backends
 
@@ -69,8 +72,15 @@ class GatewayTable:
     backend_cooldown: float = _SETTINGS_DEFAULTS["backend_cooldown"]
     affinity_chars: int = _SETTINGS_DEFAULTS["affinity_chars"]
     affinity_messages: int = _SETTINGS_DEFAULTS["affinity_messages"]
+    #: ``text`` (default) or ``json``: the log lines of ``tenantkv.json_logs``, as ``tenantkv
+    #: serve`` writes them (``--log-format``, ``TENANTKV_LOG_FORMAT``).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise InvalidRequestError(
+                f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
         if not isinstance(self.host, str) or not self.host or not self.host.isprintable():
             raise InvalidRequestError(f"host must be a host name or address, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int):

@@ -101,6 +101,7 @@ class Usage(Base):
     hit_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     miss_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     served_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    served_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     stored_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     evicted_extents: Mapped[int] = mapped_column(BigInteger, default=0)

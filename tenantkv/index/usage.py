@@ -16,6 +16,7 @@ FIELDS = (
     "hit_tokens",  # tokens a lookup found cached
     "miss_tokens",  # tokens a lookup asked for and did not find
     "served_tokens",  # tokens loaded from the cache
+    "served_bytes",  # decoded bytes those loads handed to the caller (every layer of each token)
     "stored_tokens",
     "stored_bytes",
     "evicted_extents",  # removed to make room within the tenant's quota

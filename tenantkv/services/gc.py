@@ -10,7 +10,6 @@ file just before it indexes it.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -183,17 +182,3 @@ class BackgroundGc:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-
-
-def text_progress(prefix: str = "gc") -> Progress:
-    """A progress bar on stderr for the CLI."""
-
-    def show(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // total if total else width
-        sys.stderr.write(f"\r{prefix} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return show

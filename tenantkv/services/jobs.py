@@ -48,6 +48,9 @@ from .gc import collect as gc_collect
 
 logger = logging.getLogger("tenantkv")
 
+#: The longest ``orphan_grace`` a GC job takes (the admin API's bound too): 30 days.
+MAX_ORPHAN_GRACE: Final = 30 * 86400.0
+
 JobKind = Literal["keys.retire", "purge", "tenant.delete", "gc"]
 JOB_KINDS: Final[tuple[JobKind, ...]] = ("keys.retire", "purge", "tenant.delete", "gc")
 JobState = Literal["queued", "running", "succeeded", "failed", "interrupted"]
@@ -154,6 +157,8 @@ class JobService:
             raise InvalidRequestError(
                 f"a {kind} job {'takes no' if kind == 'gc' else 'needs a'} tenant"
             )
+        if kind == "gc" and checked.get("orphan_grace") is not None:
+            checked["orphan_grace"] = _orphan_grace(checked["orphan_grace"])
         if tenant is not None:
             incarnation = tenants.current_incarnation(self._ctx, tenant)
             if incarnation is None:
@@ -437,3 +442,17 @@ class _Heartbeat:
                     job_rows.heartbeat(session, self._job_id, self._ctx.clock())
             except Exception:  # the next beat tries again; a long outage reads as interrupted
                 logger.warning("job %s: heartbeat failed", self._job_id, exc_info=True)
+
+
+def _orphan_grace(value: Any) -> float:
+    """A GC job's ``orphan_grace``, checked when the job is made rather than when it runs (a
+    detached job would fail long after the command returned): seconds, 0 to 30 days."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"orphan_grace must be a number of seconds, got {value!r}")
+    grace = float(value)
+    if not 0 <= grace <= MAX_ORPHAN_GRACE:  # NaN fails both comparisons
+        raise InvalidRequestError(
+            f"orphan_grace must be from 0 to {int(MAX_ORPHAN_GRACE)} seconds (30 days), "
+            f"got {value!r}"
+        )
+    return grace

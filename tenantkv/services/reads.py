@@ -252,7 +252,12 @@ class NamespaceReads(NamespaceKeys):
         self._ctx.leases.release(lease, remove_unindexed=False)
         delivered = stream.delivered_layers
         if delivered == stream.num_layers:
-            self._meter(served_tokens=stream.num_tokens)
+            # Bytes served are the decoded tensors the caller got (what the engine's memory
+            # and the layer-by-layer stream carry), not the sealed bytes read from the store.
+            self._meter(
+                served_tokens=stream.num_tokens,
+                served_bytes=delivered * stream.num_tokens * self.layout.token_bytes,
+            )
         first, last = stream.first_layer_at, stream.last_handed_at
         self._ctx.metrics.loaded(
             self.tenant,

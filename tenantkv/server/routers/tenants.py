@@ -91,6 +91,10 @@ class UsageOut(BaseModel):
     hit_tokens: int
     miss_tokens: int
     served_tokens: int
+    served_bytes: int = Field(
+        description="decoded bytes handed to the caller by full loads (tokens x layers x "
+        "token_bytes of the namespace's layout)"
+    )
     stored_tokens: int
     stored_bytes: int
     evicted_extents: int
