@@ -33,6 +33,7 @@ import openai
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from tenantkv.conformance.probe import empty_prefix_cache
 from tenantkv.gateway import GatewayIdentity
 from tenantkv.gateway.keyed import cache_salt
 from tenantkv.integrations.engine_identity import ASSERTION_PARAM
@@ -119,9 +120,10 @@ def same_output(answer: Answer, reference: Answer) -> bool:
 
 
 def reset_vllm_prefix_cache(stack: Stack) -> None:
-    """Empty vLLM's own prefix cache (not the connector's): a later hit is tenantkv's."""
-    answer = httpx.post(stack.vllm + "/reset_prefix_cache", timeout=30)
-    assert answer.status_code == 200 and answer.json() == {"success": True}, answer.text
+    """Empty vLLM's own prefix cache (not the connector's): a later hit is tenantkv's.
+    Asks again while vLLM still holds blocks (the connector's saves in flight)."""
+    with httpx.Client(timeout=30) as client:
+        empty_prefix_cache(client, stack.vllm)
 
 
 def assertion_for(stack: Stack, tenant: str, **overrides: Any) -> str:

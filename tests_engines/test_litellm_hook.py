@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 import tenantkv
 from tenantkv import TenantKV
+from tenantkv.conformance.probe import empty_prefix_cache
 from tenantkv.gateway import GatewayIdentity
 from tenantkv.gateway.keyed import cache_salt
 from tenantkv.tenant_assertion import ASSERTION_PARAM, AssertionSigner, public_key_pem
@@ -209,8 +210,10 @@ def full_blocks(reply: Reply) -> int:
 
 
 def reset_vllm_prefix_cache(served: Served) -> None:
-    answer = httpx.post(served.vllm + "/reset_prefix_cache", timeout=30)
-    assert answer.status_code == 200, answer.text
+    """Empty vLLM's own prefix cache (not the connector's): a later hit is tenantkv's.
+    Asks again while vLLM still holds blocks (the connector's saves in flight)."""
+    with httpx.Client(timeout=30) as client:
+        empty_prefix_cache(client, served.vllm)
 
 
 def prompt_tokens_seen(served: Served) -> float:

@@ -146,12 +146,43 @@ class Prober:
     def reset_prefix_cache(self, backend: str) -> None:
         """Empty vLLM's own prefix cache on ``backend`` (``POST /reset_prefix_cache``, served
         only when vLLM runs with ``VLLM_SERVER_DEV_MODE=1``)."""
-        url = backend.rstrip("/") + "/reset_prefix_cache"
+        empty_prefix_cache(self.client, backend)
+
+
+#: How long :func:`empty_prefix_cache` asks again while vLLM still holds blocks.
+RESET_WITHIN_S: Final = 30.0
+
+
+def empty_prefix_cache(client: httpx.Client, backend: str, within: float = RESET_WITHIN_S) -> None:
+    """Empty vLLM's own prefix cache on ``backend``, asking again until it says it did.
+
+    vLLM answers ``{"success": false}`` (still 200) while blocks are held: by running requests,
+    or by a connector's saves still reading finished requests' pages (the tenantkv connector
+    keeps them until its background save is done). A reset that did not happen must not pass
+    for one: a hit after it would be read as the connector's when vLLM's own cache served it.
+    Raises :class:`DeploymentError` when the cache is still not emptied after ``within`` s."""
+    url = backend.rstrip("/") + "/reset_prefix_cache"
+    deadline = time.monotonic() + within
+    pause = 0.05
+    while True:
         try:
-            answer = self.client.post(url)
+            answer = client.post(url)
         except httpx.HTTPError as err:
             raise DeploymentError(f"{url}: {type(err).__name__}: {err}") from None
         _check(answer, url)
+        try:
+            emptied = answer.json().get("success") is True
+        except (ValueError, AttributeError):
+            raise DeploymentError(f"{url}: the answer is not vLLM's {{'success': ...}}") from None
+        if emptied:
+            return
+        if time.monotonic() + pause > deadline:
+            raise DeploymentError(
+                f"{url}: vLLM's prefix cache was still not emptied after {within:g} s "
+                "(blocks held by running requests or unfinished saves)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
 
 
 def _prompt_tokens(usage: Any) -> int | None:
