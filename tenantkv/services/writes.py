@@ -83,12 +83,7 @@ class NamespaceWrites(NamespaceKeys):
         check_kind(kind)
         keys = self._keys(token_array, origin)
         try:
-            settings = self._tenant_settings()
-            if kind not in settings[3]:
-                raise InvalidRequestError(
-                    f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
-                    f"{', '.join(sorted(settings[3]))}"
-                )
+            settings = self._tenant_settings(kind)
             if not keys:
                 return 0
             first_row_block = start // self.block_tokens
@@ -129,12 +124,7 @@ class NamespaceWrites(NamespaceKeys):
             return 0
         keys = [self._keys(array)[0] for array in arrays]
         try:
-            settings = self._tenant_settings()
-            if kind not in settings[3]:
-                raise InvalidRequestError(
-                    f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
-                    f"{', '.join(sorted(settings[3]))}"
-                )
+            settings = self._tenant_settings(kind)
             present = self._present_keys(keys, stop_at_gap=False)
             positions = []
             for index, key in enumerate(keys):
@@ -158,8 +148,10 @@ class NamespaceWrites(NamespaceKeys):
                 stop_at_gap=stop_at_gap,
             )
 
-    def _tenant_settings(self) -> tuple[int, bytes, int, dict[str, float]]:
-        """(key version, data key, quota bytes, retention) of the tenant, now."""
+    def _tenant_settings(self, kind: str) -> tuple[int, bytes, int, dict[str, float]]:
+        """(key version, data key, quota bytes, retention) of the tenant, now, for a store of
+        retention class ``kind`` (an :class:`InvalidRequestError` when the tenant has no such
+        class: the classes are the tenant's, so this is where they are read)."""
         with self._ctx.index.read(serving=True) as session:
             settings = blocks.write_settings(session, self.identity.tenant_id)
         if settings is None:
@@ -168,7 +160,13 @@ class NamespaceWrites(NamespaceKeys):
         if settings.wrapped_key is None:
             raise CacheUnavailableError(f"tenant {self.tenant!r} has no data key {version}")
         data_key = self._ctx.keys.data_key(self.identity.tenant_id, version, settings.wrapped_key)
-        return version, data_key, settings.quota_bytes, loads_retention(settings.retention)
+        retention = loads_retention(settings.retention)
+        if kind not in retention:
+            raise InvalidRequestError(
+                f"unknown retention class {kind!r}; tenant {self.tenant!r} has "
+                f"{', '.join(sorted(retention))}"
+            )
+        return version, data_key, settings.quota_bytes, retention
 
     def _store_blocks(
         self,
