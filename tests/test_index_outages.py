@@ -50,6 +50,7 @@ SERVING_CALLS = {
     "store",
     "store_pages",
     "load",
+    "load_pages",
     "stream.close",
 }
 #: Closing the cache is what the test does last.
@@ -176,6 +177,7 @@ def _calls(
         "cached_length": lambda: ns.cached_length(hot),
         "edited": lambda: ns.edited(hot, EditScript.dropping([(10, 20)])),
         "load": load_all,
+        "load_pages": lambda: ns.load_pages([hot[: ns.block_tokens], page]),
         "lookup": lambda: ns.lookup(hot),
         "model": lambda: ns.model,
         "prefetch": lambda: ns.prefetch(hot),

@@ -22,22 +22,27 @@ from ..components.context import CacheContext
 from ..components.key_guard import KeyGuard
 from ..datapath.first_layers import FirstLayerHold
 from ..datapath.load_targets import LoadTarget
+from ..datapath.load_workers import FailureHandler
 from ..datapath.loader import ExtentFailure, LoadStream, open_readers
+from ..datapath.read_plan import PlannedExtent, ReadPlan, group_runs
 from ..editing.lineage import EditedPrefix
 from ..errors import (
     CacheMissError,
     InvalidRequestError,
+    LoadError,
     SegmentIntegrityError,
     TenantNotFoundError,
 )
 from ..index import namespaces
 from ..index.failures import typed_failures
+from ..index.plan import locate_blocks
 from ..index.schema import Namespace as NamespaceRow
-from ..layout import KVLayout
+from ..layout import KVLayout, Layer
 from ..prefix import (
     BLOCK_TOKENS,
     BLOCK_TOKENS_STEP,
     MAX_BLOCK_TOKENS,
+    BlockKey,
     layout_identity,
     model_fingerprint,
 )
@@ -108,6 +113,118 @@ class Namespace(NamespaceReads, NamespaceWrites):
             first_layer.release()
             raise
 
+    def load_pages(
+        self, pages: Sequence[Any], device: str | torch.device = "cpu"
+    ) -> list[list[Layer] | None]:
+        """Load independent one-block prefixes (each page a block of tokens keyed on its own,
+        as :meth:`store_pages` stores them): per page, its layers (``block_tokens`` rows each,
+        views of the batch's fresh layers), or None where the page is not cached.
+
+        For engines that fetch a batch of pages at once (SGLang's HiCache): the pages found are
+        planned together, sorted by where they lie, so pages stored in one extent are read with
+        one open and one read per layer (one run) instead of one load per page. Pages stay
+        independent: a page that is not cached, or whose extent cannot be planned (its key
+        version gone), is a miss for that page only. When the batch's read fails (an extent
+        damaged, lost or unreadable, the tenant's keys revoked), its pages are loaded again one
+        by one, and each of those loads records and drops what it finds damaged exactly as
+        :meth:`load` does: a damaged page is a miss and a security event, the pages before it
+        in its extent that opened are still served, and no page is ever served bytes that
+        failed to open.
+
+        Raises :class:`InvalidRequestError` for a page that is not one block, and what
+        :meth:`load` raises when the index fails before the plan (a miss, counted as
+        ``degraded_load``, or :class:`CacheUnavailableError` with ``strict=True``).
+        """
+        self._ctx.runtime.check_open()
+        target_device = self._parse_device(device)
+        arrays = [as_token_array(page) for page in pages]
+        for array in arrays:
+            if len(array) != self.block_tokens:
+                raise InvalidRequestError(
+                    f"a page must be {self.block_tokens} tokens, got {len(array)}"
+                )
+        if not arrays:
+            return []
+        keys = [self._keys(array)[0] for array in arrays]
+        requested = time.perf_counter()
+        first_layer = self._ctx.runtime.first_layers.hold()
+        try:
+            batch = self._load_page_batch(keys, target_device, requested, first_layer)
+        finally:  # the stream let go of it at its first layer, if it had one; again is nothing
+            first_layer.release()
+        if batch is not None:
+            return [batch.get(key) for key in keys]
+        # The batch's read failed: each page on its own, so that only the pages whose own
+        # bytes fail miss, and every failure is recorded by the load that meets it.
+        found: list[list[Layer] | None] = []
+        for array in arrays:
+            try:
+                with self.load(array, target_device) as stream:
+                    found.append([layer for _index, layer in stream])
+            except (CacheMissError, LoadError):
+                found.append(None)
+        return found
+
+    def _load_page_batch(
+        self,
+        keys: list[BlockKey],
+        device: torch.device,
+        requested: float,
+        first_layer: FirstLayerHold,
+    ) -> dict[bytes, list[Layer]] | None:
+        """The layers of every page of ``keys`` that is cached, by key, read as one load over
+        the pages in (extent, slot) order; None when that load failed (the caller retries the
+        pages one by one; nothing was recorded or dropped here)."""
+        revocations = self._ctx.keys.revocations  # before the plan reads the keys
+        identity = self.identity
+        try:
+            with self._ctx.index.read_connection(serving=True) as connection:
+                located, rows = locate_blocks(
+                    connection,
+                    tenant_id=identity.tenant_id,
+                    namespace_id=identity.namespace_id,
+                    keys=list(dict.fromkeys(keys)),
+                    now=self._ctx.clock(),
+                )
+        except SQLAlchemyError as err:
+            raise self._ctx.serving.load_unavailable(err) from err
+        planned: dict[str, PlannedExtent] = {}
+        for extent_id, row in rows.items():
+            try:
+                planned[extent_id] = self._planned_extent(row)
+            except CacheMissError:  # its key version is gone, or another layout: its pages miss
+                continue
+        present = sorted(
+            (place for place in located.items() if place[1][0] in planned),
+            key=lambda item: item[1],
+        )
+        if not present:
+            return {}
+        ordered = [BlockKey(key) for key, _place in present]
+        plan = group_runs(ordered, located, planned)
+        lease = self._ctx.leases.take([extent.extent_id for extent in plan.extents])
+        target = LoadTarget(
+            self.layout,
+            device,
+            len(ordered),
+            None,
+            None,
+            self._ctx.runtime.layer_pool,
+            block_tokens=self.block_tokens,
+        )
+        try:
+            with self._stream(
+                plan, lease, target, revocations, requested, first_layer, _defer
+            ) as stream:
+                layers = [layer for _index, layer in stream]
+        except (CacheMissError, LoadError):
+            return None
+        rows_of = self.block_tokens
+        return {
+            key: [_rows(layer, i * rows_of, rows_of) for layer in layers]
+            for i, key in enumerate(ordered)
+        }
+
     def _start_load(
         self,
         tokens: Any,
@@ -143,6 +260,24 @@ class Namespace(NamespaceReads, NamespaceWrites):
             plan, lease = self._plan_and_lease(keys)
         except SQLAlchemyError as err:
             raise self._ctx.serving.load_unavailable(err) from err
+        return self._stream(
+            plan, lease, target, revocations, requested, first_layer, self._handle_failure
+        )
+
+    def _stream(
+        self,
+        plan: ReadPlan,
+        lease: bytes,
+        target: LoadTarget,
+        revocations: int,
+        requested: float,
+        first_layer: FirstLayerHold,
+        on_failure: FailureHandler,
+    ) -> LoadStream:
+        """The stream of a planned load whose ``lease`` is held: open the plan's extents and
+        start reading. ``on_failure`` hears of every extent that fails (the namespace's
+        handler records and drops it; a batch of pages defers that to its per-page retry).
+        ``revocations`` is the key epoch read before the plan was."""
         guard = KeyGuard(
             self._ctx.index,
             lambda: self._ctx.keys.revocations,
@@ -154,7 +289,7 @@ class Namespace(NamespaceReads, NamespaceWrites):
             readers = open_readers(self._ctx.blocks, plan)
         except ExtentFailure as failure:
             self._ctx.leases.release(lease)
-            self._handle_failure(failure)
+            on_failure(failure)
             if failure.lost:
                 raise CacheMissError(
                     f"a cached extent's bytes are gone ({failure.cause}); the prefix was dropped"
@@ -181,7 +316,7 @@ class Namespace(NamespaceReads, NamespaceWrites):
                 ring=self._ctx.runtime.staging_ring(pinned=target.device.type == "cuda"),
                 window=self._ctx.runtime.window,
                 workers=self._ctx.runtime.load_threads,
-                on_failure=self._handle_failure,
+                on_failure=on_failure,
                 # A deletion or key retirement ends the load before its next layer.
                 keys_exist=guard.keys_exist,
                 # Record the use after the load, off its critical path (the index write would
@@ -200,6 +335,18 @@ class Namespace(NamespaceReads, NamespaceWrites):
         weakref.finalize(stream, first_layer.release)
         self._ctx.runtime.track_stream(stream)
         return stream
+
+
+def _defer(failure: ExtentFailure) -> None:
+    """A batch of pages' failure handler: nothing yet. The pages are loaded again one by one,
+    and the load of the page whose bytes fail records and drops the extent then (once)."""
+
+
+def _rows(layer: Layer, start: int, count: int) -> Layer:
+    """Rows ``start .. start + count`` of a loaded layer (views, no copy)."""
+    if isinstance(layer, tuple):
+        return layer[0][start : start + count], layer[1][start : start + count]
+    return layer[start : start + count]
 
 
 _MAX_SCOPE = 256
