@@ -7,10 +7,25 @@ Start SGLang with ``--hicache-storage-backend dynamic`` and the extra config::
      "root": "/var/lib/tenantkv", "gateway_public_keys": ["/etc/tenantkv/gateway.pub.pem"],
      "assertion_file": "/run/tenantkv/assertion"}
 
-``"codec"`` in the extra config (``"none"``, the default, or ``"fp8"``; see ``tenantkv.codecs``)
-stores pages coded: a page is one opaque block, so fp8 scales each page as a whole (e4m3's
-exponent keeps each value's relative precision, down to 2^-9 of the page's largest value).
-``"int4"`` is refused: it rotates and groups head vectors, which an opaque page does not show.
+``"codec"`` in the extra config (``"none"``, the default, ``"fp8"`` or ``"int4"``; see
+``tenantkv.codecs``) stores pages coded. Under ``"none"`` and ``"fp8"`` a page is one opaque
+block, so fp8 scales each page as a whole (e4m3's exponent keeps each value's relative
+precision, down to 2^-9 of the page's largest value). ``"int4"`` needs the vectors a page is
+made of, because it rotates and scales each vector's channels in groups of 32: every SGLang host
+pool layout keeps a token's vector innermost and whole (MHA: one head's ``head_dim`` values of K
+or V; MLA: ``kv_lora_rank`` values of ``c_KV`` then ``qk_rope_head_dim`` of ``k_rot``), so a
+page is ``N`` such vectors whatever the layout's order of tokens, layers and heads. The backend
+reads those sizes from the registered host pool (``head_dim``, or ``kv_lora_rank`` and
+``qk_rope_head_dim`` when ``is_mla_model``; the extra config's keys of the same names take
+precedence) and stores the page's 16 rows as whole vectors, so the codec sees what it sees in
+process: MHA rows of head vectors (each rotated and scaled in groups of ``min(head_dim, 32)``),
+MLA rows whose vectors are split into their ``c_KV`` parts (int4, 32-channel groups within one
+token's latent when ``kv_lora_rank`` is a multiple of 32) and their ``k_rot`` parts, kept at
+fp8 as in process: int4 would triple ``k_rot``'s error to save 32 of 352 bytes a token
+(docs/perf.md, "Latent codecs"). That fp8 scale is one per page (all its layers) rather than per
+block and layer. A pool whose page is not a whole number of vectors per row (``N`` a multiple
+of 16 for MLA, of 32 for MHA, true for the usual page sizes of 16 tokens and more) is refused
+with int4 when it is registered. Measured error: docs/engines.md.
 
 **Identity.** SGLang's storage calls carry no request: only page hashes (``keys``) and, at best,
 the hashes before them. So the tenant of an SGLang server is its deployment's: a signed tenant
@@ -31,8 +46,10 @@ one-layer block of its dtype; the namespace's layout records the page's size and
 model is SGLang's ``model_name`` (or ``model`` in the extra config). A batch of pages
 (``batch_set``, ``batch_set_v1``) is stored as one extent (``Namespace.store_pages``: one
 sealing pass, one file, one index transaction), each page still keyed and found on its own.
-``batch_get_v1`` and ``batch_set_v1`` move pages between the store and host-pool indices with
-one copy each way.
+A batch of loads (``batch_get``, ``batch_get_v1``) is one ``Namespace.load_pages``: one plan of
+the pages found, sorted by where they lie, so the pages of one extent are read with one open
+and one read pass; a page that is not cached is a miss for itself alone. ``batch_get_v1`` and
+``batch_set_v1`` move pages between the store and host-pool indices with one copy each way.
 
 **Failures.** A page that fails to open (tampering, corruption; a security event, the extent
 dropped) or whose bytes are gone is a miss (``False``/``None``): SGLang recomputes it. Any other
@@ -46,8 +63,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -62,7 +80,7 @@ except ImportError as err:  # a sentence rather than a traceback from the import
 
 from ..codecs import codec
 from ..errors import InvalidRequestError, TenantAssertionError, TenantKVError
-from ..layout import KVLayout
+from ..layout import KVLayout, Layer
 from ..services.namespace import Namespace
 from ..tenant_assertion import AssertionVerifier, lifetime_setting
 from .engine_cache import read_pems, shared_cache
@@ -88,6 +106,112 @@ def page_words(key: str) -> np.ndarray[Any, np.dtype[np.uint32]]:
     return np.frombuffer(digest, dtype="<u4").astype(np.uint32)
 
 
+@dataclass(frozen=True)
+class PageVectors:
+    """The vectors an SGLang page is made of, for int4 (see the module docstring): MLA's
+    ``kv_lora_rank`` + ``qk_rope_head_dim`` values, or MHA's ``head_dim``."""
+
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def width(self) -> int:
+        """Values of one vector."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else self.head_dim
+
+
+@dataclass(frozen=True)
+class PageRows:
+    """How a page of ``size`` values becomes the ``PAGE_WORDS`` rows of the one block that
+    tenantkv stores it as, and back: the layout of an opaque page (``vectors`` None: rows of
+    ``size / 16`` values as they lie) or, for int4, rows of whole vectors."""
+
+    size: int
+    dtype: torch.dtype
+    codec: str
+    vectors: PageVectors | None = None
+
+    @classmethod
+    def of(cls, size: int, dtype: torch.dtype, codec: str, vectors: PageVectors | None) -> PageRows:
+        """The rows of pages of ``size`` values of ``dtype``; TenantKVError for a page that does
+        not split in 16 rows, InvalidRequestError for an int4 page without whole vectors."""
+        if size % PAGE_WORDS or size // PAGE_WORDS < 2:
+            raise TenantKVError(f"a page of {size} values does not split in 16 rows")
+        if codec != "int4":
+            return cls(size, dtype, codec)
+        if vectors is None:
+            raise InvalidRequestError(
+                "codec 'int4' needs the page's vectors: register SGLang's host pool (its "
+                "head_dim, or kv_lora_rank and qk_rope_head_dim) or give them in the extra config"
+            )
+        per_row = PAGE_WORDS if vectors.mla else 2 * PAGE_WORDS  # MHA rows are k || v
+        if size % vectors.width or (size // vectors.width) % per_row:
+            raise InvalidRequestError(
+                f"codec 'int4' stores a page as 16 rows of whole vectors: a page of {size} "
+                f"values is not a multiple of {per_row} vectors of {vectors.width}"
+            )
+        return cls(size, dtype, codec, vectors)
+
+    @property
+    def per_row(self) -> int:
+        """Vectors in one row (int4)."""
+        assert self.vectors is not None
+        return self.size // self.vectors.width // PAGE_WORDS
+
+    def layout(self) -> KVLayout:
+        """The one-layer layout of such pages, under the codec."""
+        vectors = self.vectors
+        if vectors is None:
+            layout = KVLayout.mla(1, self.size // PAGE_WORDS - 1, 1, self.dtype)
+        elif vectors.mla:
+            m = self.per_row
+            layout = KVLayout.mla(
+                1, m * vectors.kv_lora_rank, m * vectors.qk_rope_head_dim, self.dtype
+            )
+        else:
+            layout = KVLayout.mha(1, self.per_row // 2, vectors.head_dim, self.dtype)
+        return layout.with_codec(self.codec)
+
+    def rows(self, pages: torch.Tensor) -> Layer:
+        """``[n, size]`` pages as the layer ``Namespace.store_pages`` takes (16 rows a page)."""
+        n = pages.shape[0]
+        vectors = self.vectors
+        if vectors is None:
+            return pages.reshape(n * PAGE_WORDS, -1)
+        m = self.per_row
+        if vectors.mla:  # each row: its vectors' c_KV parts, then their k_rot parts
+            split = pages.reshape(n * PAGE_WORDS, m, vectors.width)
+            rank = vectors.kv_lora_rank
+            latent = split[:, :, :rank].reshape(n * PAGE_WORDS, -1)
+            return torch.cat((latent, split[:, :, rank:].reshape(n * PAGE_WORDS, -1)), dim=1)
+        pair = pages.reshape(n * PAGE_WORDS, 2, m // 2, vectors.head_dim)
+        return pair[:, 0], pair[:, 1]  # halves of the row, whatever K or V they hold
+
+    def page(self, layer: Layer) -> torch.Tensor:
+        """A loaded page's layer (16 rows) as the page's flat values."""
+        vectors = self.vectors
+        if isinstance(layer, tuple):  # MHA rows: (k, v) views of one [16, 2, H, D] buffer
+            return torch.stack(layer, dim=1).reshape(-1)
+        if vectors is None or not vectors.mla:
+            return layer.reshape(-1)
+        m, rank = self.per_row, vectors.kv_lora_rank
+        latent = layer[:, : m * rank].reshape(PAGE_WORDS, m, rank)
+        rope = layer[:, m * rank :].reshape(PAGE_WORDS, m, vectors.qk_rope_head_dim)
+        return torch.cat((latent, rope), dim=2).reshape(-1)
+
+
+class _Target(NamedTuple):
+    """Where pages shaped like one page go: the tenant's namespace, and the pages' rows."""
+
+    namespace: Namespace
+    rows: PageRows
+
+
 class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """HiCache L3 storage in tenantkv, for the tenant of the deployment's signed assertion."""
 
@@ -103,22 +227,55 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             require_incarnation=extra.get("require_incarnation", False),
         )
         self._model = str(extra.get("model") or storage_config.model_name or "sglang-model")
-        # How pages are stored (tenantkv.codecs). A page is one opaque block of all its layers,
-        # so fp8 scales each page as a whole; int4 rotates and groups per head vector, which an
-        # opaque page does not show (its rows would split at odd sizes): not offered here.
+        # How pages are stored (tenantkv.codecs). Under none and fp8 a page is one opaque block
+        # of all its layers (fp8 scales each page as a whole); int4 rotates and groups whole
+        # vectors, so it stores a page as rows of them (PageRows), once the vectors are known.
         self._codec = codec(extra.get("codec", "none")).name
-        if self._codec == "int4":
-            raise InvalidRequestError(
-                "codec 'int4' is not offered for SGLang pages (an opaque page has no head "
-                "vectors to rotate and group); use 'fp8' or 'none'"
-            )
+        self._is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        self._extra = extra
+        self._vectors = self._page_vectors(None)
         self._assertion = extra.get(ASSERTION_PARAM)
         self._assertion_file = extra.get("assertion_file")
-        self._engines: dict[tuple[int, torch.dtype], EngineNamespaces] = {}
+        self._engines: dict[tuple[int, torch.dtype], tuple[EngineNamespaces, PageRows]] = {}
         self._lock = threading.Lock()
         self._refused: set[str] = set()
         self._errors = EngineErrors(self._kv)
         self.mem_pool_host: Any = None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang's host pool: pages' transfers go through it, and int4 reads the page's vectors
+        from it (refused here, at start, when its pages are not whole rows of vectors)."""
+        super().register_mem_pool_host(mem_pool_host)
+        vectors = self._page_vectors(mem_pool_host)
+        if self._codec == "int4":
+            if vectors is None:
+                raise InvalidRequestError(
+                    "codec 'int4' needs the page's vectors: the host pool has no "
+                    + ("kv_lora_rank and qk_rope_head_dim" if self._is_mla else "head_dim")
+                    + "; give them in the extra config"
+                )
+            page = mem_pool_host.get_dummy_flat_data_page()
+            PageRows.of(page.numel(), page.dtype, self._codec, vectors)  # refused now, or fits
+        with self._lock:
+            self._vectors = vectors
+
+    def _page_vectors(self, pool: Any) -> PageVectors | None:
+        """The page's vectors from the extra config, else from the host pool ``pool``: MLA's
+        latent and RoPE sizes when SGLang says the model is MLA, else MHA's head size."""
+
+        def size(name: str) -> int:
+            value = self._extra.get(name, getattr(pool, name, None))
+            if value is None:
+                return 0
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+            return value
+
+        if self._is_mla:
+            rank, rope = size("kv_lora_rank"), size("qk_rope_head_dim")
+            return PageVectors(kv_lora_rank=rank, qk_rope_head_dim=rope) if rank and rope else None
+        head = size("head_dim")
+        return PageVectors(head_dim=head) if head else None
 
     # ---- identity -----------------------------------------------------------------------------
 
@@ -131,14 +288,14 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 return None
         return self._assertion if isinstance(self._assertion, str) else None
 
-    def _namespace(self, page: torch.Tensor, extra_info: Any = None) -> Namespace | None:
+    def _namespace(self, page: torch.Tensor, extra_info: Any = None) -> _Target | None:
         """The namespace of the verified tenant for pages shaped like ``page``, or None."""
         call_params = getattr(extra_info, "extra_info", None)
         if isinstance(call_params, dict) and ASSERTION_PARAM in call_params:
             assertion = call_params[ASSERTION_PARAM]
         else:
             assertion = self._deployment_assertion()
-        engine = self._engine(page)
+        engine, rows = self._engine(page)
         try:
             owner = engine.owner_of(self._verifier.verify(assertion))
         except TenantAssertionError:  # refused (an index failure: the caller counts a miss)
@@ -151,26 +308,25 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if first:  # one security event per refused assertion, not one per page
                 engine.identify({ASSERTION_PARAM: assertion}, request_id="sglang-hicache")
             return None
-        return None if owner is None else engine.namespace(owner)
+        namespace = None if owner is None else engine.namespace(owner)
+        return None if namespace is None else _Target(namespace, rows)
 
-    def _engine(self, page: torch.Tensor) -> EngineNamespaces:
-        """The namespaces for pages of this size and dtype (the layout of an opaque page)."""
+    def _engine(self, page: torch.Tensor) -> tuple[EngineNamespaces, PageRows]:
+        """The namespaces for pages of this size and dtype, and how such a page is stored."""
         size, dtype = page.numel(), page.dtype
         with self._lock:
-            engine = self._engines.get((size, dtype))
-            if engine is None:
-                if size % PAGE_WORDS or size // PAGE_WORDS < 2:
-                    raise TenantKVError(f"a page of {size} values does not split in 16 rows")
-                layout = KVLayout.mla(1, size // PAGE_WORDS - 1, 1, dtype).with_codec(self._codec)
+            found = self._engines.get((size, dtype))
+            if found is None:
+                rows = PageRows.of(size, dtype, self._codec, self._vectors)
                 engine = EngineNamespaces(
                     self._kv,
                     self._verifier,
                     model=self._model,
-                    layout=layout,
+                    layout=rows.layout(),
                     block_tokens=PAGE_WORDS,
                 )
-                self._engines[(size, dtype)] = engine
-            return engine
+                found = self._engines[(size, dtype)] = (engine, rows)
+            return found
 
     # ---- pages ----------------------------------------------------------------------------
 
@@ -189,17 +345,16 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """The page of ``key`` (written into ``target_location`` when given), or None."""
         try:
             page = target_location if target_location is not None else self._template()
-            namespace = self._namespace(page, extra_info)
-            if namespace is None:
+            target = self._namespace(page, extra_info)
+            if target is None:
                 return None
             words = page_words(key)
-            if namespace.cached_length(words) < PAGE_WORDS:
+            if target.namespace.cached_length(words) < PAGE_WORDS:
                 return None
-            with namespace.load(words) as stream:
-                rows = stream.wait_for_layer(0)
-                assert isinstance(rows, torch.Tensor)
+            with target.namespace.load(words) as stream:
+                values = target.rows.page(stream.wait_for_layer(0))
                 out = page if target_location is not None else torch.empty_like(page)
-                out.view(-1).copy_(rows.reshape(-1))
+                out.view(-1).copy_(values)
             return out
         except ENGINE_FAILURES as err:  # recomputed by SGLang
             self._errors.failed("get", err, request_id=f"page {key[:16]}")
@@ -211,8 +366,52 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        locations = target_locations or [None] * len(keys)
-        return [self.get(key, location) for key, location in zip(keys, locations, strict=True)]
+        """The pages of ``keys`` (written into ``target_locations`` when given), None where
+        missed, read as one batch (``Namespace.load_pages``)."""
+        locations = list(target_locations or [None] * len(keys))
+        if len(locations) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(locations)} target locations")
+        if not keys:
+            return []
+        given = [loc for loc in locations if loc is not None]
+        template = given[0] if given and isinstance(given[0], torch.Tensor) else None
+        if given and (
+            template is None
+            or not all(
+                isinstance(loc, torch.Tensor)
+                and loc.numel() == template.numel()
+                and loc.dtype == template.dtype
+                for loc in given
+            )
+        ):  # pages of several shapes: each from its own namespace
+            return [self.get(key, loc) for key, loc in zip(keys, locations, strict=True)]
+        found = self._get_pages(list(keys), template)
+        pages: list[torch.Tensor | None] = []
+        for values, location in zip(found, locations, strict=True):
+            if values is None:
+                pages.append(None)
+            elif location is not None:
+                location.view(-1).copy_(values)
+                pages.append(location)
+            else:
+                pages.append(values.clone())  # its own memory, not a view of the batch's
+        return pages
+
+    def _get_pages(
+        self, keys: list[str], template: torch.Tensor | None, extra_info: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Per key, its page's flat values (views of the batch's loaded layer, or a copy), or
+        None: every page loaded in one ``Namespace.load_pages``."""
+        try:
+            page = template if template is not None else self._template()
+            target = self._namespace(page, extra_info)
+            if target is None:
+                return [None] * len(keys)
+            found = target.namespace.load_pages([page_words(key) for key in keys])
+            return [None if layers is None else target.rows.page(layers[0]) for layers in found]
+        except ENGINE_FAILURES as err:  # recomputed by SGLang
+            self._errors.failed("get", err, request_id=f"{len(keys)} pages from {keys[0][:16]}")
+            return [None] * len(keys)
 
     def set(
         self,
@@ -227,13 +426,13 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not isinstance(page, torch.Tensor):
             return False
         try:
-            namespace = self._namespace(page, extra_info)
-            if namespace is None:
+            target = self._namespace(page, extra_info)
+            if target is None:
                 return False
             words = page_words(key)
-            rows = page.detach().to("cpu").contiguous().view(-1).reshape(PAGE_WORDS, -1)
-            namespace.store(words, [rows])
-            return namespace.cached_length(words) == PAGE_WORDS
+            values = page.detach().to("cpu").contiguous().view(1, -1)
+            target.namespace.store(words, [target.rows.rows(values)])
+            return target.namespace.cached_length(words) == PAGE_WORDS
         except ENGINE_FAILURES as err:
             self._errors.failed("set", err, request_id=f"page {key[:16]}")
             return False
@@ -263,21 +462,23 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         ):  # pages of several shapes: each to its own namespace
             return [self.set(k, p, extra_info=extra_info) for k, p in zip(keys, pages, strict=True)]
         try:
-            namespace = self._namespace(first, extra_info)
-            if namespace is None:
+            target = self._namespace(first, extra_info)
+            if target is None:
                 return [False] * len(keys)
             words = [page_words(key) for key in keys]
-            rows = torch.stack([p.detach().reshape(-1) for p in pages]).to("cpu")
-            namespace.store_pages(words, [rows.reshape(len(pages) * PAGE_WORDS, -1)])
-            return [namespace.cached_length(w) == PAGE_WORDS for w in words]
+            values = torch.stack([p.detach().reshape(-1) for p in pages]).to("cpu")
+            target.namespace.store_pages(words, [target.rows.rows(values)])
+            return [target.namespace.cached_length(w) == PAGE_WORDS for w in words]
         except ENGINE_FAILURES as err:
             self._errors.failed("set", err, request_id=f"{len(keys)} pages from {keys[0][:16]}")
             return [False] * len(keys)
 
     def exists(self, key: str, extra_info: Any = None) -> bool:
         try:
-            namespace = self._namespace(self._template(), extra_info)
-            return namespace is not None and namespace.cached_length(page_words(key)) == PAGE_WORDS
+            target = self._namespace(self._template(), extra_info)
+            if target is None:
+                return False
+            return target.namespace.cached_length(page_words(key)) == PAGE_WORDS
         except ENGINE_FAILURES as err:
             self._errors.failed("exists", err, request_id=f"page {key[:16]}")
             return False
@@ -297,16 +498,16 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        """Load pages straight into the host pool at ``host_indices`` (one per page)."""
-        done: list[bool] = []
-        for page, key in enumerate(keys):
-            data = self.get(key, extra_info=extra_info)
-            if data is None:
-                done.append(False)
-                continue
-            self.mem_pool_host.set_from_flat_data_page(self._host_index(host_indices, page), data)
-            done.append(True)
-        return done
+        """Load pages into the host pool at ``host_indices`` (one index per page's tokens), read
+        as one batch (``Namespace.load_pages``); a page missed leaves its slots as they were."""
+        if not keys:
+            return []
+        found = self._get_pages(list(keys), None, extra_info)
+        for page, values in enumerate(found):
+            if values is not None:
+                index = self._host_index(host_indices, page)
+                self.mem_pool_host.set_from_flat_data_page(index, values)
+        return [values is not None for values in found]
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
