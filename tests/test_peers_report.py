@@ -55,3 +55,13 @@ def test_per_round_counts_the_rounds_that_meet() -> None:
     ratios = [0.09, 0.12, 0.1, 0.2]
     assert report.per_round(ratios, lambda r: r <= 0.1) == "0.090-0.200, 2 of 4 meet"
     assert report.per_round(ratios, lambda r: r >= 1) == "0.090-0.200, 0 of 4 meet"
+
+
+def test_a_run_keeps_the_sections_other_scripts_measured(tmp_path: Path) -> None:
+    path = tmp_path / "BENCHMARKS.md"
+    assert report.kept_sections(path) == ""  # no file yet
+    path.write_text("# old tables\n\nreplaced by the run\n", encoding="utf-8")
+    assert report.kept_sections(path) == ""  # no marker: nothing kept
+    kept = f"{report.KEPT_MARKER}\n\n## SGLang HiCache\n\n| a | b |\n"
+    path.write_text("# old tables\n\n" + kept, encoding="utf-8")
+    assert report.kept_sections(path) == "\n" + kept

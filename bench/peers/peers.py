@@ -766,7 +766,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots_dir=out,
         benchmarks_path=Path(args.benchmarks),
     )
-    Path(args.benchmarks).write_text(text, encoding="utf-8")
+    benchmarks = Path(args.benchmarks)
+    benchmarks.write_text(text + report.kept_sections(benchmarks), encoding="utf-8")
     (out / "peers.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
     print(text)
     written = [Path(args.benchmarks), out / "peers.json"] + [

@@ -427,6 +427,21 @@ def f3(x: float) -> str:
     return f"{x:.3f}"
 
 
+#: BENCHMARKS.md's sections from this line on are measured by other scripts (the engine
+#: backends': bench/engines_sglang.py); a run keeps them after the tables it writes.
+KEPT_MARKER = "<!-- kept by bench/peers/peers.py: sections measured by other scripts -->"
+
+
+def kept_sections(path: Path) -> str:
+    """The kept sections of the BENCHMARKS.md at ``path`` (from :data:`KEPT_MARKER` on)."""
+    try:
+        old = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ""
+    at = old.find(KEPT_MARKER)
+    return "" if at < 0 else "\n" + old[at:]
+
+
 def build(
     *,
     runs: Sequence[Any],
