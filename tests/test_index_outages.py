@@ -46,6 +46,7 @@ MARGIN_S = 4.0
 SERVING_CALLS = {
     "lookup",
     "cached_length",
+    "cached_pages",
     "prefetch",
     "store",
     "store_pages",
@@ -175,6 +176,7 @@ def _calls(
         "block_tokens": lambda: ns.block_tokens,
         "cached_blocks": lambda: list(ns.cached_blocks()),
         "cached_length": lambda: ns.cached_length(hot),
+        "cached_pages": lambda: ns.cached_pages([hot[: ns.block_tokens], page]),
         "edited": lambda: ns.edited(hot, EditScript.dropping([(10, 20)])),
         "load": load_all,
         "load_pages": lambda: ns.load_pages([hot[: ns.block_tokens], page]),

@@ -88,6 +88,8 @@ def test_a_batch_of_pages_loads_with_one_open_per_extent(
     never = random_tokens(64, seed=99)
     asked = [pages[4], pages[0], never, pages[2], pages[1], pages[0], pages[5], pages[3]]
     which = [4, 0, None, 2, 1, 0, 5, 3]
+    assert ns.cached_pages(asked) == [index is not None for index in which]
+    assert ns.cached_pages([]) == []
     found = ns.load_pages(asked)
     assert len(opened) == 2 and len(set(opened)) == 2  # one open per extent, not per page
     assert len(found) == len(asked)
@@ -101,6 +103,8 @@ def test_a_batch_of_pages_loads_with_one_open_per_extent(
     assert ns.load_pages([never]) == [None]
     with pytest.raises(InvalidRequestError, match="a page must be 64 tokens"):
         ns.load_pages([pages[0], random_tokens(63)])
+    with pytest.raises(InvalidRequestError, match="a page must be 64 tokens"):
+        ns.cached_pages([random_tokens(128)])
 
 
 def prefix_rows(layer: object, page: int) -> object:

@@ -341,6 +341,9 @@ def test_int4_mha_pages_round_trip_as_head_vectors(
     assert torch.equal(pages[2], target.get_data_page(PAGE))
     one = reader.get(KEYS[1], torch.empty_like(target.get_dummy_flat_data_page()))
     assert one is not None and torch.equal(one, target.get_data_page(2 * PAGE))
+    # batch_exists counts from the first page to the first miss (one index read)
+    assert reader.batch_exists([KEYS[0], "never-stored", KEYS[1]]) == 1
+    assert reader.batch_exists(KEYS) == 3 and reader.batch_exists([]) == 0
     plain = backend(root, index, gateway_pem, token, SizedHostPool(4))
     assert plain.batch_exists(KEYS) == 0  # codec none: another namespace
 

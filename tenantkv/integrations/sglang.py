@@ -48,7 +48,8 @@ model is SGLang's ``model_name`` (or ``model`` in the extra config). A batch of 
 sealing pass, one file, one index transaction), each page still keyed and found on its own.
 A batch of loads (``batch_get``, ``batch_get_v1``) is one ``Namespace.load_pages``: one plan of
 the pages found, sorted by where they lie, so the pages of one extent are read with one open
-and one read pass; a page that is not cached is a miss for itself alone. ``batch_get_v1`` and
+and one read pass; a page that is not cached is a miss for itself alone. ``batch_exists`` is
+one index read for the batch (``Namespace.cached_pages``). ``batch_get_v1`` and
 ``batch_set_v1`` move pages between the store and host-pool indices with one copy each way.
 
 **Failures.** A page that fails to open (tampering, corruption; a security event, the extent
@@ -484,11 +485,19 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return False
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, are cached (SGLang's longest-prefix rule)."""
-        for index, key in enumerate(keys):
-            if not self.exists(key, extra_info):
-                return index
-        return len(keys)
+        """How many of ``keys``, from the first, are cached (SGLang's longest-prefix rule): one
+        assertion check and one index read for the batch (``Namespace.cached_pages``)."""
+        if not keys:
+            return 0
+        try:
+            target = self._namespace(self._template(), extra_info)
+            if target is None:
+                return 0
+            cached = target.namespace.cached_pages([page_words(key) for key in keys])
+        except ENGINE_FAILURES as err:
+            self._errors.failed("exists", err, request_id=f"{len(keys)} pages from {keys[0][:16]}")
+            return 0
+        return next((index for index, hit in enumerate(cached) if not hit), len(keys))
 
     # ---- host-pool transfers ------------------------------------------------------------------
 

@@ -202,7 +202,6 @@ class Namespace(NamespaceReads, NamespaceWrites):
             return {}
         ordered = [BlockKey(key) for key, _place in present]
         plan = group_runs(ordered, located, planned)
-        lease = self._ctx.leases.take([extent.extent_id for extent in plan.extents])
         target = LoadTarget(
             self.layout,
             device,
@@ -212,6 +211,7 @@ class Namespace(NamespaceReads, NamespaceWrites):
             self._ctx.runtime.layer_pool,
             block_tokens=self.block_tokens,
         )
+        lease = self._ctx.leases.take([extent.extent_id for extent in plan.extents])
         try:
             with self._stream(
                 plan, lease, target, revocations, requested, first_layer, _defer

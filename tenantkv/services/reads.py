@@ -125,6 +125,35 @@ class NamespaceReads(NamespaceKeys):
         except SQLAlchemyError as err:
             return self._ctx.serving.degrade("cached_length", err, 0)
 
+    def cached_pages(self, pages: Sequence[Any]) -> list[bool]:
+        """Per page (a one-block prefix keyed on its own, as :meth:`store_pages` stores them),
+        whether it is cached now: one index read for the batch, where a :meth:`cached_length`
+        per page is one each (SGLang's HiCache asks about a batch of pages at once). Not
+        metered, like :meth:`cached_length`; failures degrade to every page missing.
+        InvalidRequestError for a page that is not one block."""
+        self._ctx.runtime.check_open()
+        arrays = [as_token_array(page) for page in pages]
+        for array in arrays:
+            if len(array) != self.block_tokens:
+                raise InvalidRequestError(
+                    f"a page must be {self.block_tokens} tokens, got {len(array)}"
+                )
+        keys = [self._keys(array)[0] for array in arrays]
+        if not keys:
+            return []
+        try:
+            with self._ctx.index.read(serving=True) as session:
+                present = blocks.present_keys(
+                    session,
+                    self.identity.namespace_id,
+                    list(dict.fromkeys(keys)),
+                    self._ctx.clock(),
+                    stop_at_gap=False,
+                )
+        except SQLAlchemyError as err:
+            return self._ctx.serving.degrade("cached_pages", err, [False] * len(keys))
+        return [key in present for key in keys]
+
     def record_request(self, hit_tokens: int, miss_tokens: int) -> None:
         """Meter a served request's hit and miss tokens, as :meth:`lookup` would have.
 
