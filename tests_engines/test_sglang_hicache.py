@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 import tenantkv
 from tenantkv.errors import InvalidRequestError
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS
-from tenantkv.integrations.sglang import TenantKVHiCacheStorage
+from tenantkv.integrations.sglang import TenantKVHiCacheStorage, _adjacent
 from tenantkv.tenant_assertion import AssertionSigner
 from tests.indexes import Index
 
@@ -404,4 +404,35 @@ def test_int4_refuses_pages_that_are_not_whole_rows_of_vectors(
     assert isinstance(
         backend(root, index, gateway_pem, token, SizedHostPool(4), codec="int4"),
         TenantKVHiCacheStorage,
+    )
+
+
+def test_adjacent_pages_are_sealed_from_the_pool_and_others_copied(
+    root: Path, index: Index, gateway: AssertionSigner, gateway_pem: str
+) -> None:
+    """Consecutive pages of a page-first MLA pool lie one after the other: a batch of them is
+    sealed from one view of the pool (no copy); pages elsewhere (out of order, or not adjacent)
+    are copied into one tensor first. Both come back byte for byte."""
+    token = gateway.sign("acme", ttl=240)
+    source = MLAHostPool(4)
+    source.kv_buffer.view(torch.int16).copy_(
+        torch.randint(-(1 << 15), 1 << 15, source.kv_buffer.shape, dtype=torch.int16)
+    )
+    pages = [source.get_data_page(i * PAGE) for i in range(3)]
+    joined = _adjacent(pages)
+    assert joined is not None and joined.data_ptr() == pages[0].data_ptr()  # a view
+    assert _adjacent([pages[1], pages[0]]) is None
+    assert _adjacent([pages[0], pages[2]]) is None
+    # separate storages are never one view, even should the allocator place them side by side
+    assert _adjacent([torch.zeros(PAGE), torch.zeros(PAGE)]) is None
+    storage = backend(root, index, gateway_pem, token, source, mla=True)
+    assert storage.batch_set_v1(KEYS, torch.arange(0, 3 * PAGE)) == [True] * 3
+    assert storage.batch_set_v1(["b", "a"], torch.tensor([*range(PAGE, 2 * PAGE), *range(PAGE)]))
+    target = MLAHostPool(4)
+    reader = backend(root, index, gateway_pem, token, target, mla=True)
+    assert reader.batch_get_v1([*KEYS, "a"], torch.arange(0, 4 * PAGE)) == [True] * 4
+    want = source.kv_buffer[: 3 * PAGE].view(torch.int16)
+    assert torch.equal(target.kv_buffer[: 3 * PAGE].view(torch.int16), want)
+    assert torch.equal(
+        target.kv_buffer[3 * PAGE :].view(torch.int16), source.kv_buffer[:PAGE].view(torch.int16)
     )

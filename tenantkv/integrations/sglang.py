@@ -206,6 +206,24 @@ class PageRows:
         return torch.cat((latent, rope), dim=2).reshape(-1)
 
 
+def _adjacent(pages: list[torch.Tensor]) -> torch.Tensor | None:
+    """The pages as one ``[n, size]`` view when they lie one after the other in host memory
+    (consecutive pages of a page-first MLA pool, as ``batch_set_v1`` hands them): sealed
+    straight from the pool, as ``set`` seals one page, instead of copied into fresh memory
+    first. None when they do not."""
+    first = pages[0]
+    if first.device.type != "cpu" or not all(p.is_contiguous() for p in pages):
+        return None
+    step = first.numel() * first.element_size()
+    start = first.data_ptr()
+    if any(p.data_ptr() != start + i * step for i, p in enumerate(pages)):
+        return None
+    try:  # bounded by the storage: as_strided refuses a view past its end
+        return torch.as_strided(first, (len(pages), first.numel()), (first.numel(), 1))
+    except RuntimeError:
+        return None
+
+
 class _Target(NamedTuple):
     """Where pages shaped like one page go: the tenant's namespace, and the pages' rows."""
 
@@ -467,9 +485,11 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if target is None:
                 return [False] * len(keys)
             words = [page_words(key) for key in keys]
-            values = torch.stack([p.detach().reshape(-1) for p in pages]).to("cpu")
+            values = _adjacent(pages)
+            if values is None:
+                values = torch.stack([p.detach().reshape(-1) for p in pages]).to("cpu")
             target.namespace.store_pages(words, [target.rows.rows(values)])
-            return [target.namespace.cached_length(w) == PAGE_WORDS for w in words]
+            return target.namespace.cached_pages(words)
         except ENGINE_FAILURES as err:
             self._errors.failed("set", err, request_id=f"{len(keys)} pages from {keys[0][:16]}")
             return [False] * len(keys)
