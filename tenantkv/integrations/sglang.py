@@ -45,7 +45,8 @@ so identical pages of two tenants have unrelated keys and no tenant can address 
 one-layer block of its dtype; the namespace's layout records the page's size and dtype, and its
 model is SGLang's ``model_name`` (or ``model`` in the extra config). A batch of pages
 (``batch_set``, ``batch_set_v1``) is stored as one extent (``Namespace.store_pages``: one
-sealing pass, one file, one index transaction), each page still keyed and found on its own.
+sealing pass, one file, one index transaction), each page still keyed and found on its own;
+pages that lie one after the other in the host pool are sealed straight from it.
 A batch of loads (``batch_get``, ``batch_get_v1``) is one ``Namespace.load_pages``: one plan of
 the pages found, sorted by where they lie, so the pages of one extent are read with one open
 and one read pass; a page that is not cached is a miss for itself alone. ``batch_exists`` is
