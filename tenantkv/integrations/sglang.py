@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +238,14 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
+        # How pages are stored (tenantkv.codecs), checked before the cache opens. Under none and
+        # fp8 a page is one opaque block of all its layers (fp8 scales each page as a whole);
+        # int4 rotates and groups whole vectors, so it stores a page as rows of them
+        # (PageRows), once the vectors are known.
+        self._codec = codec(extra.get("codec", "none")).name
+        self._is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        self._extra = extra
+        self._vectors = self._page_vectors(None)
         self._kv = shared_cache(str(extra["root"]), extra.get("open_options") or {})
         self._verifier = AssertionVerifier.from_pem(
             read_pems(extra.get("gateway_public_keys")),
@@ -247,13 +256,6 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             require_incarnation=extra.get("require_incarnation", False),
         )
         self._model = str(extra.get("model") or storage_config.model_name or "sglang-model")
-        # How pages are stored (tenantkv.codecs). Under none and fp8 a page is one opaque block
-        # of all its layers (fp8 scales each page as a whole); int4 rotates and groups whole
-        # vectors, so it stores a page as rows of them (PageRows), once the vectors are known.
-        self._codec = codec(extra.get("codec", "none")).name
-        self._is_mla = bool(getattr(storage_config, "is_mla_model", False))
-        self._extra = extra
-        self._vectors = self._page_vectors(None)
         self._assertion = extra.get(ASSERTION_PARAM)
         self._assertion_file = extra.get("assertion_file")
         self._engines: dict[tuple[int, torch.dtype], tuple[EngineNamespaces, PageRows]] = {}
@@ -266,16 +268,17 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """SGLang's host pool: pages' transfers go through it, and int4 reads the page's vectors
         from it (refused here, at start, when its pages are not whole rows of vectors)."""
         super().register_mem_pool_host(mem_pool_host)
+        if self._codec != "int4":
+            return  # the other codecs store opaque pages: the pool's sizes do not matter
         vectors = self._page_vectors(mem_pool_host)
-        if self._codec == "int4":
-            if vectors is None:
-                raise InvalidRequestError(
-                    "codec 'int4' needs the page's vectors: the host pool has no "
-                    + ("kv_lora_rank and qk_rope_head_dim" if self._is_mla else "head_dim")
-                    + "; give them in the extra config"
-                )
-            page = mem_pool_host.get_dummy_flat_data_page()
-            PageRows.of(page.numel(), page.dtype, self._codec, vectors)  # refused now, or fits
+        if vectors is None:
+            raise InvalidRequestError(
+                "codec 'int4' needs the page's vectors: the host pool has no "
+                + ("kv_lora_rank and qk_rope_head_dim" if self._is_mla else "head_dim")
+                + "; give them in the extra config"
+            )
+        page = mem_pool_host.get_dummy_flat_data_page()
+        PageRows.of(page.numel(), page.dtype, self._codec, vectors)  # refused now, or fits
         with self._lock:
             self._vectors = vectors
 
@@ -287,9 +290,13 @@ class TenantKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             value = self._extra.get(name, getattr(pool, name, None))
             if value is None:
                 return 0
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            try:  # an int, or an integer type's value (a pool's may be numpy's)
+                number = operator.index(value) if not isinstance(value, bool) else 0
+            except TypeError:
+                number = 0
+            if number <= 0:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
-            return value
+            return number
 
         if self._is_mla:
             rank, rope = size("kv_lora_rank"), size("qk_rope_head_dim")
