@@ -127,9 +127,9 @@ class Namespace(NamespaceReads, NamespaceWrites):
         version gone), is a miss for that page only. When the batch's read fails (an extent
         damaged, lost or unreadable, the tenant's keys revoked), its pages are loaded again one
         by one, and each of those loads records and drops what it finds damaged exactly as
-        :meth:`load` does: a damaged page is a miss and a security event, the pages before it
-        in its extent that opened are still served, and no page is ever served bytes that
-        failed to open.
+        :meth:`load` does: a damaged page is a miss and a security event (its extent dropped,
+        so its extent's pages asked for after it miss too), the pages asked for before it are
+        still served, and no page is ever served bytes that failed to open.
 
         Raises :class:`InvalidRequestError` for a page that is not one block, and what
         :meth:`load` raises when the index fails before the plan (a miss, counted as
