@@ -188,7 +188,7 @@ class _Part(abc.ABC):
         component's bytes at ``offset``) straight into ``destination``. The C decoder where it
         applies, else :meth:`decode` and one copy per run of consecutive rows, which rounds the
         float32 values to the destination's dtype once (what CUDA tensors use)."""
-        if _uses_kernels(codes, destination):
+        if self._kernel_fits() and _uses_kernels(codes, destination):
             self._decode_kernel(codes, offset, destination, row_starts)
             return
         values = self.decode(codes[:, offset : offset + self.nbytes])
@@ -199,6 +199,10 @@ class _Part(abc.ABC):
             dst[start : start + rows, column : column + width].copy_(
                 values[first : first + count].reshape(rows, width), non_blocking=True
             )
+
+    def _kernel_fits(self) -> bool:
+        """Whether the C decoder codes this part's format (the torch path codes any)."""
+        return True
 
     @abc.abstractmethod
     def _decode_kernel(
@@ -332,6 +336,12 @@ class _Int4Part(_Part):
         grouped = (unpacked.to(torch.float32) - 8).view(n, tokens, self.groups, self.group)
         return self._rotate((grouped * scale).view(n, tokens, width))
 
+    def _kernel_fits(self) -> bool:
+        # The C decoder rotates each scale group on its own: it needs the rotation block to be
+        # the group, as MAX_ROTATION makes it (both the vector's power-of-two factor, at most
+        # 32). Another block (bench/codecs.py compares some) decodes by the torch path.
+        return self.rotation == self.group
+
     def _decode_kernel(
         self,
         codes: torch.Tensor,
@@ -339,9 +349,6 @@ class _Int4Part(_Part):
         destination: Destination,
         row_starts: Sequence[int],
     ) -> None:
-        # The C decoder rotates each scale group on its own: the rotation block and the group
-        # are the same size (both the vector's power-of-two factor, at most 32).
-        assert self.rotation == self.group, "an int4 rotation block is its scale group"
         n = codes.shape[0]
         dtype = destination[0].dtype
         coefficient = float(_hadamard(self.rotation, torch.device("cpu"))[0, 0])
