@@ -7,21 +7,28 @@ codec (store tokens/s: encode, seal, write, index; one sample each), then loaded
 ``--reps`` rounds, each in a codec order rotated from the last so that machine noise hits all
 alike. Per round and codec:
 
-* warm: lookup and a whole layer-wise load into fresh tensors, decoded into bf16 (the extents
-  read once, untimed, before); every byte of every layer checked against the codec's own decode
-  of the codes the store wrote (for ``none``: the stored values);
-* cold: the same after every extent file is dropped from the page cache (fsync, then
-  ``POSIX_FADV_DONTNEED`` per file, as the peer benchmark's cold mode), bytes checked the same;
+* warm: lookup and a whole layer-wise load into the caller's ``out=`` buffers (an engine's: one
+  set, faulted in once and zeroed untimed before each load), decoded into bf16 (the extents read
+  once, untimed, before); every byte of every layer checked against the codec's own decode of
+  the codes the store wrote (for ``none``: the stored values). Fresh tensors would time the
+  kernel's page faults, which swung a warm ``none`` load from 1.7 to 97 K tokens/s in one run;
+* cold: the same after the codec's extent files are dropped from the page cache (fsync, then
+  ``POSIX_FADV_DONTNEED`` per file, as the peer benchmark's cold mode; the other codecs' stay
+  warm), bytes checked the same; the share of the stored bytes each warm and cold load fetched
+  from the device (``/proc/self/io``) is printed, ~0% warm and ~100% cold;
 * host: the load with decoding skipped, chunks decrypted into the staging slot: what the host
   pays for a GPU load, which decodes on the device after the host-to-device copy;
-* the write pass: one memset of a whole warm ``none`` load's layers (its own memory, a layer a
-  task on one thread per core).
+* the write pass: one memset of the ``out=`` buffers (a layer a task on one thread per core).
 
 The physical floor of a warm load into a CPU destination is then the host side (decryption of
 the codec's stored bytes alone) plus the write pass of the decoded output; if that floor is
 slower than ``none``'s warm load divided by the target (fp8 1.8x, int4 2.5x), no CPU decoder
 can reach the target on this host, and the report says so with the figure. Tokens/s min /
 median / max, and the ratio of medians to ``none`` in the same run; ``uptime`` before and after.
+
+Decode: one layer of the first ``--tokens`` size decoded by the decoder before this change
+(torch into a fresh tensor, then copied into the destination), today's torch path and the C
+decoders (straight into the destination), ms min / median / max, rotated order, each checked.
 
 Bytes: stored bytes per token per layer of each codec for DeepSeek-V3 and a Llama-3-8B-shaped
 MHA layer (8 KV heads of 128).
@@ -35,7 +42,7 @@ prefill. A random model is a weak judge of quality: these say the codecs work as
 what a trained model loses.
 
 Run:  .venv/bin/python bench/codecs.py [--tokens 8192,32768] [--layers 61] [--reps 5] [--no-cold]
-          [--skip-speed] [--skip-error]
+          [--skip-speed] [--skip-decode] [--skip-error]
 """
 
 from __future__ import annotations
@@ -143,14 +150,20 @@ def _write_pass(writers: ThreadPoolExecutor, layers: list[torch.Tensor]) -> floa
     return time.perf_counter() - started
 
 
-def _timed_load(ns: Any, prompt: list[int], layout: Any) -> tuple[float, list[torch.Tensor]]:
-    """Seconds of a lookup and a whole layer-wise load into fresh tensors, and the layers."""
+def _timed_load(
+    ns: Any, prompt: list[int], out: list[torch.Tensor], layout: Any
+) -> tuple[float, list[torch.Tensor]]:
+    """Zero ``out`` (untimed: a stale right answer cannot pass the check), then the seconds of a
+    lookup and a whole layer-wise load into it, and the layers."""
+    for buffer in out:
+        buffer.view(torch.uint8).numpy().fill(0)
     started = time.perf_counter()
     assert ns.lookup(prompt) == len(prompt)
-    with ns.load(prompt) as stream:
+    with ns.load(prompt, out=out) as stream:
         layers = [layer for _, layer in stream]
     seconds = time.perf_counter() - started
     assert len(layers) == layout.num_layers
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(layers, out, strict=True))
     return seconds, layers
 
 
@@ -161,6 +174,7 @@ def speed(tokens: int, layers: int, reps: int, cold: bool, data_dir: Path) -> di
     results: dict[str, Any] = {c: {k: [] for k in KINDS} for c in CODECS}
     results["write_seconds"] = []
     results["cold_fetched"] = {c: [] for c in CODECS}
+    results["warm_fetched"] = {c: [] for c in CODECS}
     # No memory of recent writes (tenantkv.storage.recent_owners): warm is the page cache's
     # case and cold the device's, as in the peer benchmark, not a ring in RAM.
     with (
@@ -170,42 +184,51 @@ def speed(tokens: int, layers: int, reps: int, cold: bool, data_dir: Path) -> di
         extents = Path(tmp) / "kv" / "blocks" / "extents"
         kv.create_tenant("acme", quota_bytes=64 << 30)
         spaces = {c: kv.namespace("acme", model="m", layout=layout, codec=c) for c in CODECS}
+        stored = {c: tokens * layers * spaces[c].layout.segment_bytes(64) / 64 for c in CODECS}
         prompt = torch_tokens(tokens, 7)
+        # The caller's own buffers, as an engine's: faulted in once, loaded into every time.
+        out = [
+            torch.zeros(tokens, layout.values_per_token, dtype=layout.dtype) for _ in range(layers)
+        ]
         writers = ThreadPoolExecutor(len(os.sched_getaffinity(0)))
         expected: dict[str, list[bytes]] = {}
+        files: dict[str, list[Path]] = {}  # each codec's extent files: its cold loads drop them
         for name in CODECS:  # each codec stores the same prefix once
             values = random_layers(layout, tokens, 7)
+            before = set(extents.glob("*/*")) if extents.exists() else set()
             started = time.perf_counter()
             assert spaces[name].store(prompt, values) == tokens
             results[name]["store"].append(tokens / (time.perf_counter() - started))
+            files[name] = sorted(set(extents.glob("*/*")) - before)
             rows = [v.view(tokens, -1) for v in values]
             expected[name] = _expected(spaces[name].layout, rows)
             del values, rows
-            _timed_load(spaces[name], prompt, layout)  # warm: read once, untimed
+            _timed_load(spaces[name], prompt, out, layout)  # warm: read once, untimed
         for rep in range(reps):
             order = CODECS[rep % 3 :] + CODECS[: rep % 3]
             for name in order:
                 ns = spaces[name]
-                seconds, loaded = _timed_load(ns, prompt, layout)
+                fetched = _read_bytes()
+                seconds, loaded = _timed_load(ns, prompt, out, layout)
+                results["warm_fetched"][name].append((_read_bytes() - fetched) / stored[name])
                 assert [_digest(t) for t in loaded] == expected[name], f"{name}: wrong bytes"
                 results[name]["warm"].append(tokens / seconds)
-                if name == "none":  # the write pass, over this load's own (faulted-in) layers
-                    results["write_seconds"].append(_write_pass(writers, loaded))
+                if name == "none":  # the write pass, over the same buffers
+                    results["write_seconds"].append(_write_pass(writers, out))
                 del loaded
                 with _decode_skipped():
-                    seconds, loaded = _timed_load(ns, prompt, layout)
+                    seconds, loaded = _timed_load(ns, prompt, out, layout)
                 del loaded
                 results[name]["host"].append(tokens / seconds)
                 if cold:
-                    evict_files([extents])
+                    evict_files(files[name])  # this codec's only: the others stay warm
                     fetched = _read_bytes()
-                    seconds, loaded = _timed_load(ns, prompt, layout)
+                    seconds, loaded = _timed_load(ns, prompt, out, layout)
                     fetched = _read_bytes() - fetched
                     assert [_digest(t) for t in loaded] == expected[name], f"{name}: cold bytes"
                     del loaded
                     results[name]["cold"].append(tokens / seconds)
-                    stored = tokens * layers * ns.layout.segment_bytes(64) / 64
-                    results["cold_fetched"][name].append(fetched / stored)
+                    results["cold_fetched"][name].append(fetched / stored[name])
     return results
 
 
@@ -226,6 +249,66 @@ def floor_rows(res: dict[str, Any], tokens: int) -> list[tuple[str, float, float
         floor = host_seconds + write
         rows.append((c, tokens / floor, none_seconds / floor, none_seconds / host_seconds))
     return rows
+
+
+# ---- decode alone ------------------------------------------------------------------------------
+
+
+def decode_table(tokens: int, reps: int) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds to decode one ``tokens``-token DeepSeek-V3 layer, per codec and decoder,
+    each round in a rotated order: the decoder before this branch (tests/codec_reference.py:
+    torch, into a fresh tensor, which a load then copied into its destination, also timed),
+    today's torch path (CUDA tensors, installs without a C compiler) and the C decoders, both
+    straight into the destination rows. Every result checked against the reference (fp8 bit
+    for bit, int4 within the tolerance of tests/test_codec_kernels.py)."""
+    layout = deepseek_layout(1)
+    values = random_layers(layout, tokens, 11)[0]
+    return {name: _decode_times(layout.with_codec(name), values, reps) for name in LOSSY}
+
+
+def _decode_times(coded: Any, values: torch.Tensor, reps: int) -> dict[str, list[float]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests import codec_reference
+
+    tokens = values.shape[0]
+    out = torch.empty(tokens, coded.values_per_token, dtype=coded.dtype)
+    starts = list(range(0, tokens, 64))
+    built = codecs_module.kernels
+    codes = coded.coder.encode(coded, values, 64)
+    want = codec_reference.decode(coded, codes, 64)
+    destinations = [(out, c.start) for c in coded.components()]
+
+    def before() -> None:
+        out.copy_(codec_reference.decode(coded, codes, 64))
+
+    def torch_path() -> None:
+        codecs_module.kernels = None
+        try:
+            coded.coder.decode_into(coded, codes, 64, destinations, starts)
+        finally:
+            codecs_module.kernels = built
+
+    def c_path() -> None:
+        coded.coder.decode_into(coded, codes, 64, destinations, starts)
+
+    ways = {"before (torch, then copy)": before, "torch path": torch_path}
+    if built is not None:
+        ways["C decoder"] = c_path
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    names = list(ways)
+    for rep in range(reps):
+        for way in names[rep % len(names) :] + names[: rep % len(names)]:
+            out.zero_()
+            started = time.perf_counter()
+            ways[way]()
+            times[way].append((time.perf_counter() - started) * 1e3)
+            if coded.codec == "fp8":
+                assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), way
+            else:
+                x, y = out.float(), want.float()
+                bound = y.abs() * 2**-8 + y.abs().amax() * 2**-18
+                assert bool(((x - y).abs() <= bound).all()), way
+    return times
 
 
 # ---- bytes ---------------------------------------------------------------------------------------
@@ -415,6 +498,7 @@ def main() -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip the cold loads")
     parser.add_argument("--greedy", type=int, default=64, help="greedy tokens compared (64)")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true", help="skip the decoder timings")
     parser.add_argument("--skip-error", action="store_true")
     args = parser.parse_args()
     machine = print_machine(args.dir)
@@ -423,6 +507,17 @@ def main() -> None:
     print("\nstored bytes per token per layer")
     for label, codec, per, ratio in data["bytes"]:
         print(f"  {label:<40} {codec:<5} {per:9.2f} B   {ratio:5.2f}x fewer than none")
+    if not args.skip_decode:
+        tokens = args.tokens[0]
+        print(f"\ndecoding one {tokens_label(tokens)}-token layer (load before: {_uptime()})")
+        data["decode"] = decode = decode_table(tokens, max(args.reps, 5))
+        rows = []
+        for name, ways in decode.items():
+            first = _median(next(iter(ways.values())))
+            for way, samples in ways.items():
+                rows.append((f"{name} {way}", samples, f"{first / _median(samples):5.2f}x"))
+        print(format_stats_table(rows, "ms", label="decoder", note_header="speed-up"))
+        print(f"(load after: {_uptime()})")
     speeds: dict[int, Any] = {}
     if not args.skip_speed:
         for tokens in args.tokens:
@@ -442,9 +537,13 @@ def main() -> None:
                         samples = [v / 1e3 for v in res[c][what]]
                         rows.append((f"{what} {c}", samples, note))
             print(format_stats_table(rows, "Ktok/s", label="codec", note_header="median vs none"))
-            if res["cold_fetched"]["none"]:
-                fetched = ", ".join(f"{c} {_median(res['cold_fetched'][c]):.0%}" for c in CODECS)
-                print(f"cold loads fetched from storage (median, of the stored bytes): {fetched}")
+            for what in ("warm", "cold"):
+                if res[f"{what}_fetched"]["none"]:
+                    fetched = ", ".join(
+                        f"{c} {' '.join(f'{v:.0%}' for v in res[f'{what}_fetched'][c])}"
+                        for c in CODECS
+                    )
+                    print(f"{what} loads fetched from storage (of the stored bytes): {fetched}")
             write = _median(res["write_seconds"])
             print(
                 f"write pass of the decoded output ({tokens} x {args.layers} x 1,152 B): "
