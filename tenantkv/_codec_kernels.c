@@ -81,6 +81,16 @@ static int check_call(Call *call, long long codes_bytes) {
         PyErr_SetString(PyExc_ValueError, "tokens and width must be positive");
         return 0;
     }
+    /* Products are formed only once a division shows they stay within a buffer's size, so
+     * none can overflow. */
+    if (call->tokens > ((long long)1 << 31) || call->width > ((long long)1 << 31)) {
+        PyErr_SetString(PyExc_ValueError, "tokens or width out of range");
+        return 0;
+    }
+    if (call->codes_stride > 0 && call->segments - 1 > call->codes.len / call->codes_stride) {
+        PyErr_SetString(PyExc_ValueError, "the codes lie past the end of their buffer");
+        return 0;
+    }
     long long last = call->codes_offset + (call->segments - 1) * call->codes_stride;
     if (!fits(call->codes_offset, codes_bytes, call->codes.len) ||
         !fits(last, codes_bytes, call->codes.len)) {
@@ -92,9 +102,16 @@ static int check_call(Call *call, long long codes_bytes) {
         PyErr_SetString(PyExc_ValueError, "a row's values are wider than the row stride");
         return 0;
     }
+    if (call->tokens - 1 > call->dst.len / call->dst_stride) {
+        PyErr_SetString(PyExc_ValueError, "the destination rows lie past its end");
+        return 0;
+    }
     for (long long s = 0; s < call->segments; s++) {
         long long row = call->row_starts[s];
-        if (!in_range(row, "a row start")) {
+        if (!in_range(row, "a row start") || row > call->dst.len / call->dst_stride) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "the destination rows lie past its end");
+            }
             return 0;
         }
         long long first = call->dst_offset + row * call->dst_stride;

@@ -211,6 +211,10 @@ def test_the_c_decoders_refuse_offsets_past_their_buffers_and_write_nothing() ->
         (codes, 0, 36, dst, 0, 8, rows, 4, 8, 0),  # rows wider than their stride
         (codes, 0, 36, dst, 0, 16, rows, 4, 8, 7),  # no such output kind
         (codes, -1, 36, dst, 0, 16, rows, 4, 8, 0),  # a negative offset
+        # offsets whose products would overflow 64 bits if formed unchecked
+        (codes, 0, 36, dst, 0, 16, array.array("q", [2**39]), 4, 8, 0),
+        (codes, 0, 2**39, dst, 0, 16, array.array("q", [0, 4]), 4, 8, 0),
+        (codes, 0, 36, dst, 0, 2**39, rows, 2**31, 8, 0),
     ]
     for args in bad:
         with pytest.raises(ValueError):
