@@ -227,3 +227,23 @@ def test_the_c_decoders_refuse_offsets_past_their_buffers_and_write_nothing() ->
     with pytest.raises(BufferError):  # a read-only destination
         kernels.fp8_scaled(codes, 0, 36, bytes(64), 0, 16, rows, 4, 8, 0)
     assert bytes(dst) == b"\x11" * 64
+
+
+def test_an_int4_rotation_other_than_the_group_decodes_by_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The C decoder rotates each scale group on its own; a rotation block of another size
+    (bench/codecs.py compares 1 and 512) must not reach it: such parts decode by the torch
+    path, whose values the C decoder is never asked to match."""
+    layout = _coded("int4", "mla", torch.bfloat16)
+    values = _values(layout, 2, 64, seed=4)
+    for block in (1, 64):
+        monkeypatch.setattr(codecs_module, "MAX_ROTATION", block)
+        codes = layout.coder.encode(layout, values, 64)
+        got = layout.coder.decode(layout, codes, 64)
+        monkeypatch.setattr(codecs_module, "kernels", None)
+        want = layout.coder.decode(layout, codes, 64)
+        monkeypatch.undo()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        error = (got.float() - values.float()).norm() / values.float().norm()
+        assert float(error) < 0.2  # still a working codec at that block
