@@ -165,11 +165,11 @@ in_scratch "$venv/bin/python" "$REPO/scripts/pkgcheck_metrics.py" "$SCRATCH/base
     fail "base: a cache without prometheus_client"
 logged "$LOGS/cli-init.log" in_scratch "$venv/bin/tenantkv" init "$SCRATCH/cli-root"
 echo "tenantkv init (console script): ok"
-# setup.py's optional C accelerators (prefix key chain, token-id packing): built here (this
-# machine has a C compiler), so a wheel without them is a build that silently fell back to the
-# slower Python paths
-in_scratch "$venv/bin/python" -c 'from tenantkv import prefix, tokens; assert prefix.c_chain and tokens._pack' ||
-    fail "base: the wheel lacks the C accelerators (tenantkv._prefix_chain, tenantkv._token_ids)"
+# setup.py's optional C accelerators (prefix key chain, token-id packing, codec decoders): built
+# here (this machine has a C compiler), so a wheel without them is a build that silently fell
+# back to the slower Python and torch paths
+in_scratch "$venv/bin/python" -c 'from tenantkv import codecs, prefix, tokens; assert prefix.c_chain and tokens._pack and codecs.kernels' ||
+    fail "base: the wheel lacks the C accelerators (tenantkv._prefix_chain, tenantkv._token_ids, tenantkv._codec_kernels)"
 checked+=("base: pip check, README Use example, imports, tenantkv init, no-op metrics, C accelerators")
 
 # --- each extra alone ----------------------------------------------------------------------

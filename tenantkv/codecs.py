@@ -26,14 +26,20 @@ kind's order, each one after the other, all integers little-endian as torch stor
                                  nibble, code = round(x/scale) + 8 in 1..15)
                                  | B*(W/G)*2 bytes bfloat16 scales (token-major, G = group size)
 
-Every operation is a torch operation on the tensors' own device, so a GPU decodes after the
-host-to-device copy and the link carries the codes.
+Encoding, and decoding on a GPU, are torch operations on the tensors' own device, so a GPU
+decodes after the host-to-device copy and the link carries the codes. A load decodes straight
+into its destination rows (:meth:`Codec.decode_into`): on the CPU by the one-pass C decoders of
+``_codec_kernels.c``, where the install built them, which write each value once (the torch path
+took 5 to 10 times as long, docs/perf.md "Latent codecs"); fp8 gives the torch path's values bit
+for bit, int4 within one rounding of the output dtype (tests/test_codec_kernels.py).
 """
 
 from __future__ import annotations
 
 import abc
+import array
 import functools
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,6 +47,20 @@ from typing import Protocol
 import torch
 
 from .errors import InvalidRequestError
+
+
+def _built_kernels() -> types.ModuleType | None:
+    """The one-pass CPU decoders, where the install built them (setup.py: wherever a C compiler
+    is at hand); None, and the torch path, elsewhere."""
+    try:
+        from . import _codec_kernels
+    except ImportError:  # pragma: no cover - only an install without a C compiler
+        return None
+    return _codec_kernels
+
+
+#: Swapped for None by the tests that hold the torch path to the same results.
+kernels = _built_kernels()
 
 #: The largest magnitude e4m3 (``float8_e4m3fn``) represents.
 FP8_MAX = 448.0
@@ -85,6 +105,60 @@ def _power_of_two_factor(n: int) -> int:
 # ---- component coders --------------------------------------------------------------------------
 
 
+#: Where one component's decoded values go: a contiguous 2-D tensor ``[R, C]`` of the layout's
+#: dtype (a load's destination rows, or one of an MHA ``out=`` pair's buffers as ``[R, H*D]``)
+#: and the column its values start at. Segment ``j`` of a decode fills rows ``row_starts[j] ..
+#: row_starts[j] + B`` of it.
+Destination = tuple[torch.Tensor, int]
+
+#: The C decoders' names for the dtypes they write.
+_KERNEL_KINDS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _runs(row_starts: Sequence[int], block_tokens: int) -> list[tuple[int, int, int]]:
+    """``(first segment, segment count, first row)`` of each run of segments whose destination
+    rows follow one another, so the torch path copies a run at once."""
+    runs: list[tuple[int, int, int]] = []
+    for j, row in enumerate(row_starts):
+        if runs and runs[-1][2] + runs[-1][1] * block_tokens == row:
+            first, count, start = runs[-1]
+            runs[-1] = (first, count + 1, start)
+        else:
+            runs.append((j, 1, row))
+    return runs
+
+
+def _uses_kernels(codes: torch.Tensor, destination: Destination) -> bool:
+    """Whether the C decoders can take this decode: CPU tensors of a dtype they write."""
+    dst = destination[0]
+    return (
+        kernels is not None
+        and codes.device.type == "cpu"
+        and dst.device.type == "cpu"
+        and dst.dtype in _KERNEL_KINDS
+    )
+
+
+def _kernel_buffers(
+    codes: torch.Tensor, destination: Destination, row_starts: Sequence[int]
+) -> tuple[memoryview, memoryview, int, int, array.array[int]]:
+    """The codes', destination's and row starts' memory as the C decoders take it, with the
+    destination's byte offset (its column) and row stride."""
+    dst, column = destination
+    if dst.dim() != 2 or not dst.is_contiguous():
+        raise ValueError("a decode destination is a contiguous 2-D tensor")
+    itemsize = dst.dtype.itemsize
+    code_bytes = memoryview(codes.contiguous().numpy()).cast("B")  # type: ignore[arg-type]
+    dst_bytes = memoryview(dst.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    return (
+        code_bytes,
+        dst_bytes,
+        column * itemsize,
+        dst.shape[1] * itemsize,
+        array.array("q", row_starts),
+    )
+
+
 class _Part(abc.ABC):
     """The coder of one component: ``[n, B, W]`` float32 values <-> ``[n, bytes]`` uint8."""
 
@@ -102,6 +176,43 @@ class _Part(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_into(
+        self,
+        codes: torch.Tensor,
+        offset: int,
+        destination: Destination,
+        row_starts: Sequence[int],
+    ) -> None:
+        """Decode this component of each segment of ``codes`` (``[n, segment_bytes]``; the
+        component's bytes at ``offset``) straight into ``destination``. The C decoder where it
+        applies, else :meth:`decode` and one copy per run of consecutive rows, which rounds the
+        float32 values to the destination's dtype once (what CUDA tensors use)."""
+        if self._kernel_fits() and _uses_kernels(codes, destination):
+            self._decode_kernel(codes, offset, destination, row_starts)
+            return
+        values = self.decode(codes[:, offset : offset + self.nbytes])
+        dst, column = destination
+        width = self.component.width
+        for first, count, start in _runs(row_starts, self.block_tokens):
+            rows = count * self.block_tokens
+            dst[start : start + rows, column : column + width].copy_(
+                values[first : first + count].reshape(rows, width), non_blocking=True
+            )
+
+    def _kernel_fits(self) -> bool:
+        """Whether the C decoder codes this part's format (the torch path codes any)."""
+        return True
+
+    @abc.abstractmethod
+    def _decode_kernel(
+        self,
+        codes: torch.Tensor,
+        offset: int,
+        destination: Destination,
+        row_starts: Sequence[int],
+    ) -> None:
+        """:meth:`decode_into` by the C decoder (CPU tensors only)."""
 
 
 class _Fp8Part(_Part):
@@ -125,6 +236,32 @@ class _Fp8Part(_Part):
         values = fp8_values(codes[:, :size])
         scale = codes[:, size : size + 4].contiguous().view(torch.float32)  # [n, 1]
         return values.mul_(scale).view(n, self.block_tokens, self.component.width)
+
+    def _decode_kernel(
+        self,
+        codes: torch.Tensor,
+        offset: int,
+        destination: Destination,
+        row_starts: Sequence[int],
+    ) -> None:
+        n = codes.shape[0]
+        dtype = destination[0].dtype
+        code_bytes, dst_bytes, dst_offset, stride, rows = _kernel_buffers(
+            codes, destination, row_starts
+        )
+        assert kernels is not None
+        kernels.fp8_scaled(
+            code_bytes,
+            offset,
+            codes.shape[1] if n else 0,
+            dst_bytes,
+            dst_offset,
+            stride,
+            rows,
+            self.block_tokens,
+            self.component.width,
+            _KERNEL_KINDS[dtype],
+        )
 
 
 def fp8_values(codes: torch.Tensor) -> torch.Tensor:
@@ -199,6 +336,41 @@ class _Int4Part(_Part):
         grouped = (unpacked.to(torch.float32) - 8).view(n, tokens, self.groups, self.group)
         return self._rotate((grouped * scale).view(n, tokens, width))
 
+    def _kernel_fits(self) -> bool:
+        # The C decoder rotates each scale group on its own: it needs the rotation block to be
+        # the group, as MAX_ROTATION makes it (both the vector's power-of-two factor, at most
+        # 32). Another block (bench/codecs.py compares some) decodes by the torch path.
+        return self.rotation == self.group
+
+    def _decode_kernel(
+        self,
+        codes: torch.Tensor,
+        offset: int,
+        destination: Destination,
+        row_starts: Sequence[int],
+    ) -> None:
+        n = codes.shape[0]
+        dtype = destination[0].dtype
+        coefficient = float(_hadamard(self.rotation, torch.device("cpu"))[0, 0])
+        code_bytes, dst_bytes, dst_offset, stride, rows = _kernel_buffers(
+            codes, destination, row_starts
+        )
+        assert kernels is not None
+        kernels.int4_hadamard(
+            code_bytes,
+            offset,
+            codes.shape[1] if n else 0,
+            dst_bytes,
+            dst_offset,
+            stride,
+            rows,
+            self.block_tokens,
+            self.component.width,
+            self.group,
+            coefficient,
+            _KERNEL_KINDS[dtype],
+        )
+
 
 # ---- codecs ------------------------------------------------------------------------------------
 
@@ -231,6 +403,27 @@ class Codec(abc.ABC):
     def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
         """``[n, segment_bytes]`` uint8 as ``[n * block_tokens, values_per_token]`` values of
         ``layout.dtype`` (on the codes' device)."""
+
+    def decode_into(
+        self,
+        layout: CodedLayout,
+        codes: torch.Tensor,
+        block_tokens: int,
+        destinations: Sequence[Destination],
+        row_starts: Sequence[int],
+    ) -> None:
+        """Decode ``[n, segment_bytes]`` codes straight into the caller's rows: component ``i``
+        (``layout.components()`` order) of segment ``j`` into ``destinations[i]``, rows
+        ``row_starts[j] ..`` (``n`` entries). A load writes each value once this way, where
+        :meth:`decode` and a copy would write it twice. Here: :meth:`decode` and a copy."""
+        values = self.decode(layout, codes, block_tokens)
+        for c, (dst, column) in zip(layout.components(), destinations, strict=True):
+            for first, count, start in _runs(row_starts, block_tokens):
+                rows = count * block_tokens
+                begin = first * block_tokens
+                dst[start : start + rows, column : column + c.width].copy_(
+                    values[begin : begin + rows, c.start : c.start + c.width], non_blocking=True
+                )
 
 
 class RawCodec(Codec):
@@ -285,16 +478,29 @@ class _PartCodec(Codec):
     def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
         n = codes.shape[0]
         out = torch.empty(
-            (n, block_tokens, layout.values_per_token), dtype=layout.dtype, device=codes.device
+            (n * block_tokens, layout.values_per_token), dtype=layout.dtype, device=codes.device
         )
+        destinations = [(out, c.start) for c in layout.components()]
+        self.decode_into(
+            layout, codes, block_tokens, destinations, range(0, n * block_tokens, block_tokens)
+        )
+        return out
+
+    def decode_into(
+        self,
+        layout: CodedLayout,
+        codes: torch.Tensor,
+        block_tokens: int,
+        destinations: Sequence[Destination],
+        row_starts: Sequence[int],
+    ) -> None:
+        parts = self._parts(layout, block_tokens)
+        if len(destinations) != len(parts) or len(row_starts) != codes.shape[0]:
+            raise ValueError("a decode needs a destination per component and a row per segment")
         offset = 0
-        for part in self._parts(layout, block_tokens):
-            c = part.component
-            out[:, :, c.start : c.start + c.width] = part.decode(
-                codes[:, offset : offset + part.nbytes]
-            )
+        for part, destination in zip(parts, destinations, strict=True):
+            part.decode_into(codes, offset, destination, row_starts)
             offset += part.nbytes
-        return out.view(n * block_tokens, layout.values_per_token)
 
 
 class Fp8Codec(_PartCodec):

@@ -124,6 +124,35 @@ def test_counters_follow_lookup_store_load_evict_lost_and_tampered(
     assert "acme" not in text and "tenant=" not in text
 
 
+def test_loaded_bytes_count_the_stored_codes_and_metering_the_tokens(kv: TenantKV) -> None:
+    """Under codec fp8 a load reads half the bytes of the layers it hands over (one e4m3 code a
+    value, and a float32 scale per block, layer and component): the metric counts those stored
+    bytes, the usage meter still counts the tokens served (and the decoded bytes handed over,
+    docs/admin-api.md)."""
+    kv.create_tenant("acme")
+    plain = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    coded = kv.namespace("acme", model="m", layout=MLA_SMALL, codec="fp8")
+    tokens = random_tokens(TOKENS, seed=6)
+    layers = random_layers(MLA_SMALL, TOKENS, seed=6)
+    assert plain.store(tokens, layers) == TOKENS and coded.store(tokens, layers) == TOKENS
+
+    assert load_layers(plain, tokens) == LAYERS  # positive control: codec none, values' bytes
+    decoded = TOKENS * MLA_SMALL.token_bytes * LAYERS
+    assert sample(kv, "tenantkv_loaded_bytes_total") == decoded
+    served = kv.usage("acme").counters
+    assert served["served_tokens"] == TOKENS and served["served_bytes"] == decoded
+
+    assert load_layers(coded, tokens) == LAYERS
+    segment = 64 * MLA_SMALL.values_per_token + 2 * 4  # codes, and c_KV's and k_rot's scales
+    assert coded.layout.segment_bytes(64) == segment
+    stored = TOKENS // 64 * segment * LAYERS
+    assert sample(kv, "tenantkv_loaded_bytes_total") == decoded + stored
+    assert stored < decoded * 0.51
+    served = kv.usage("acme").counters
+    assert served["served_tokens"] == 2 * TOKENS  # metering counts tokens, whatever the codec
+    assert served["served_bytes"] == 2 * decoded
+
+
 def test_tenant_label_only_when_enabled(cache_root: Path) -> None:
     tokens = random_tokens(TOKENS, seed=4)
     with tenantkv.open(cache_root, durable=False, metrics_tenant_labels=True) as kv:

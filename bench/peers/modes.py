@@ -16,6 +16,13 @@ tenantkv's warm and cold rows read a cache opened without the memory of recent w
 (``recent_writes_bytes=0``): warm is the page cache's case, cold the device's. Its just-stored
 row reads a cache opened with the defaults, as a deployment's (a ring per tenant sized from
 the memory available, ``tenantkv.storage.recent_owners``).
+
+tenantkv's warm and cold modes also time its lossy codecs (``fp8``, ``int4``: each a cache and
+namespace of its own holding the same prefix), decoded into the same ``out=`` buffers. Their
+bytes are checked against each codec's own decode of the codes its store wrote (a lossy codec
+never gives the original back); GB/s counts the decoded prefix, as for every other row, so the
+rows compare tokens per second; ``from storage`` is a share of the codes the files hold. They
+are not in the just-stored mode, whose rounds would time their encoding as much as the load.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from _fixtures import VALUES_PER_TOKEN, byte_view, prefix_tokens
 from store_load import SegmentCipher, Shape
 
 MODES = ("warm", "cold", "stored")
+#: The lossy codecs whose tenantkv rows the warm and cold modes add (tenantkv.codecs).
+CODECS = ("fp8", "int4")
 MODE_TITLES = {
     "warm": "warm (page cache)",
     "cold": "cold (page cache dropped before each load)",
@@ -142,6 +151,21 @@ def run_modes(
         want,
         quota_bytes=(reps + 4) * shape.total_ct_bytes + 2**30,
     )
+    # The lossy codecs, warm and cold (their store encodes, which a just-stored round would
+    # time as much as the load): namespaces of their own, the same prefix stored in each.
+    codec_caches = [
+        S.TenantkvPrefix(
+            tenantkv,
+            workdir / f"tenantkv-{codec}",
+            suite,
+            shape,
+            token_ids,
+            want,
+            open_kwargs={"recent_writes_bytes": 0},
+            codec=codec,
+        )
+        for codec in CODECS
+    ]
     stored_round = [0]
 
     def lmc_system(peer: Any) -> S.System:
@@ -158,6 +182,7 @@ def run_modes(
     raw = S.raw_systems(fds, offsets, bufs, pool, zero)[1]
     limit = S.encrypted_limit_system(enc_fd, bufs, shape, cipher, pool, zero)
     warm_kv = cache.systems(bufs, zero)[0]
+    coded_kv = [(c.systems(bufs, zero)[0], c.root / "blocks" / "extents") for c in codec_caches]
     fresh_kv = fresh.systems(bufs, zero)[0]
 
     def rewrite_raw() -> None:
@@ -192,12 +217,14 @@ def run_modes(
             _with(limit, "warm", nothing),
             _with(lmc_system(lmc), "warm", nothing),
             _with(warm_kv, "warm", nothing),
+            *(_with(system, "warm", nothing) for system, _ in coded_kv),
         ],
         "cold": [
             _with(raw, "cold", lambda: evict_files(paths)),
             _with(limit, "cold", lambda: evict_files([enc_path])),
             _with(lmc_system(lmc), "cold", lambda: evict_files([workdir / "lmcache"])),
             _with(warm_kv, "cold", lambda: evict_files(extents)),
+            *(_with(system, "cold", _evicting(path)) for system, path in coded_kv),
         ],
         "stored": [
             _with(raw, "stored", rewrite_raw),
@@ -225,11 +252,18 @@ def run_modes(
         pool.close()
         cache.close()
         fresh.close()
+        for coded in codec_caches:
+            coded.close()
         lmc.close()
         lmc_fresh.close()
         for fd in (*fds, enc_fd):
             os.close(fd)
     return run
+
+
+def _evicting(path: Path) -> Callable[[], None]:
+    """A cold round's preparation: ``path``'s files out of the page cache."""
+    return lambda: evict_files([path])
 
 
 def _timed(load: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -246,9 +280,15 @@ def _timed(load: Callable[[], Any]) -> tuple[Any, float, float]:
 # --------------------------------------------------------------------------- #
 
 
+def _stored(system: Any, nbytes: int) -> int:
+    """The bytes ``system``'s files hold for a prefix of ``nbytes`` (fewer under a codec)."""
+    return getattr(system, "stored_bytes", None) or nbytes
+
+
 def _kept(mode: str, system: Any, nbytes: int) -> list[int]:
     """The rounds of ``system`` whose load read where ``mode`` says (all where unknown)."""
     fetched = system.cold_bytes or [None] * len(system.seconds)
+    nbytes = _stored(system, nbytes)
 
     def as_intended(got: int | None) -> bool:
         if got is None:
@@ -324,7 +364,11 @@ def markdown(run: ModesRun, md_table: Callable[..., str]) -> str:
         f" round above {COLD_SLACK:.0%} (memory pressure from the machine's other users had"
         f" evicted its files) or a cold round below {1 - COLD_SLACK:.0%} is left out of the"
         " figures and the ratios (`rounds`: kept of timed). `all rounds`: the median of"
-        " every round, left-out ones included.",
+        " every round, left-out ones included. tenantkv's `codec fp8` and `codec int4` rows"
+        " (warm and cold) load the same prefix stored under a lossy codec into the same `out=`"
+        " buffers, checked against the codec's own decode of its stored codes: their GB/s count"
+        " the decoded prefix (so they compare tokens per second), their `from storage` the codes"
+        " their files hold.",
         "",
     ]
     rows = []
@@ -334,7 +378,7 @@ def markdown(run: ModesRun, md_table: Callable[..., str]) -> str:
         for s in systems:
             g = _gbps(s, nbytes, mode)
             kept = _kept(mode, s, nbytes)
-            fetched = " ".join(f"{b / nbytes:.0%}" for b in s.cold_bytes)
+            fetched = " ".join(f"{b / _stored(s, nbytes):.0%}" for b in s.cold_bytes)
             lo, med, hi = (g[0], _median(g), g[-1]) if g else (float("nan"),) * 3
             rows.append(
                 [
@@ -391,6 +435,7 @@ def as_json(run: ModesRun) -> dict[str, Any]:
                     "seconds": s.seconds,
                     "first_layer": s.first_layer,
                     "cold_bytes": s.cold_bytes,
+                    "stored_bytes": getattr(s, "stored_bytes", None),
                 }
                 for s in systems
             ]
@@ -419,6 +464,7 @@ def from_json(data: dict[str, Any]) -> ModesRun:
                 seconds=row["seconds"],
                 first_layer=row["first_layer"],
                 cold_bytes=row["cold_bytes"],
+                stored_bytes=row.get("stored_bytes"),
             )
             for row in rows
         ]

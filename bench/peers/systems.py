@@ -60,6 +60,12 @@ class System:
     lazy: bool = False  # returns mapped pages it never read
     ttfl_is_total: bool = False  # its first layer is only usable when the whole load is done
     note: str = ""
+    #: What its load must give, where not the original: a lossy codec's own decode of the codes
+    #: it stored (checked bit for bit like the rest).
+    want: Sequence[torch.Tensor] | None = None
+    #: The bytes its files hold for the prefix, where fewer than the prefix's (a codec's codes):
+    #: a cold load of it fetches these from the device.
+    stored_bytes: int | None = None
     seconds: list[float] = field(default_factory=list)
     first_layer: list[float] = field(default_factory=list)
     cold_bytes: list[int] = field(default_factory=list)  # fetched from storage, per timed load
@@ -356,7 +362,9 @@ def suite_names(tenantkv: Any) -> list[str]:
 
 class TenantkvPrefix:
     """One cache (one cipher suite) holding the prefix in one namespace: of the namespace's
-    default block size, or ``block_tokens`` (named in the systems' labels)."""
+    default block size, or ``block_tokens``, and of codec ``none``, or ``codec`` (both named in
+    the systems' labels). A lossy codec's loads are checked against its own decode of the codes
+    its store wrote, not against the original values."""
 
     def __init__(
         self,
@@ -369,14 +377,28 @@ class TenantkvPrefix:
         block_tokens: int | None = None,
         open_kwargs: dict[str, Any] | None = None,
         quota_bytes: int | None = None,
+        codec: str = "none",
     ) -> None:
         self.suite = suite if block_tokens is None else f"{suite} {block_tokens}-token blocks"
+        if codec != "none":
+            self.suite += f", codec {codec}"
         self.root = root
         self.kv = tenantkv.open(root, suite=suite, **(open_kwargs or {}))
-        blocks = {} if block_tokens is None else {"block_tokens": block_tokens}
+        options: dict[str, Any] = {} if block_tokens is None else {"block_tokens": block_tokens}
+        if codec != "none":
+            options["codec"] = codec
         quota = quota_bytes or 4 * shape.total_ct_bytes + 2**30
         layout = deepseek_layout(shape.layers)
-        self.ns = tenant_namespace(self.kv, "peers", layout, quota_bytes=quota, **blocks)
+        self.ns = tenant_namespace(self.kv, "peers", layout, quota_bytes=quota, **options)
+        coded, block = self.ns.layout, self.ns.block_tokens
+        #: What a load gives: the original, or the codec's decode of the stored codes.
+        self.want: list[torch.Tensor] | None = None
+        self.stored_bytes: int | None = None
+        if coded.encoded:
+            self.want = [
+                coded.coder.decode(coded, coded.coder.encode(coded, w, block), block) for w in want
+            ]
+            self.stored_bytes = shape.layers * shape.tokens // block * coded.segment_bytes(block)
         stored = self.ns.store(tokens, list(want))
         found = self.ns.lookup(tokens)
         if stored != shape.tokens or found != shape.tokens:
@@ -394,6 +416,8 @@ class TenantkvPrefix:
 
     def systems(self, bufs: Sequence[torch.Tensor], zero: Callable[[], None]) -> list[System]:
         ns, out = self.ns, list(bufs)
+        # A codec's rows are a group of their own: the targets compare tenantkv's codec none.
+        group = "tenantkv" if self.want is None else "tenantkv-codec"
 
         def with_out() -> tuple[Loaded, float, float]:
             tokens = self.tokens
@@ -428,18 +452,22 @@ class TenantkvPrefix:
         return [
             System(
                 f"tenantkv {self.suite}, out=",
-                "tenantkv",
+                group,
                 with_out,
                 check_out,
                 prepare=zero,
                 note="ns.load(tokens, out=bufs)",
+                want=self.want,
+                stored_bytes=self.stored_bytes,
             ),
             System(
                 f"tenantkv {self.suite}, fresh kept",
-                "tenantkv",
+                group,
                 fresh_kept,
                 per_layer,
                 note="layers = [l for _, l in s]",
+                want=self.want,
+                stored_bytes=self.stored_bytes,
             ),
         ]
 

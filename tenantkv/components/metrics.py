@@ -93,9 +93,10 @@ class DataPlaneMetrics:
         seconds: float | None,
         first_layer_seconds: float | None,
     ) -> None:
-        """A closed load handed over ``nbytes`` of plaintext KV. ``seconds`` (to its last
-        layer) is None unless every layer was handed over; ``first_layer_seconds`` is None
-        unless layer 0 was."""
+        """A closed load read ``nbytes`` of stored KV for the layers it handed over (a codec's
+        codes, before decoding: what was read and decrypted). ``seconds`` (to its last layer)
+        is None unless every layer was handed over; ``first_layer_seconds`` is None unless
+        layer 0 was."""
 
     def removed(self, tenant: str, extents: int, nbytes: int, *, expired: bool) -> None:
         """Extents left the cache: evicted for room (LRU, a lowered quota) or expired."""
@@ -155,7 +156,8 @@ class _PrometheusMetrics(DataPlaneMetrics):
             "tenantkv_miss_tokens", "Tokens that lookups did not find cached (to prefill)."
         )
         self._loaded_bytes = counter(
-            "tenantkv_loaded_bytes", "Bytes of KV (plaintext) that loads handed over."
+            "tenantkv_loaded_bytes",
+            "Stored bytes of KV (plaintext, a codec's codes before decoding) that loads read.",
         )
         self._stored_bytes = counter(
             "tenantkv_stored_bytes", "Bytes of extents (sealed) that stores wrote."

@@ -8,8 +8,8 @@ tensor of exactly the loaded rows.
 On the CPU, a destination whose rows are plain bytes (a fresh layer, an MLA buffer) is decrypted
 into directly, with no copy. Otherwise (MHA ``out=`` buffers, which keep k and v apart, every
 CUDA target, and every namespace with a lossy codec) the chunk is decrypted into its staging slot
-and copied out from there; a codec's segments are decoded on the way (on a GPU after the copy to
-the device, so the link carries the codes).
+and copied out from there; a codec's segments are decoded straight into the destination rows
+instead of copied (on a GPU after the copy to the device, so the link carries the codes).
 """
 
 from __future__ import annotations
@@ -210,9 +210,9 @@ class LoadTarget:
             # Then split k/v, or decode, on the device: the link carries the codes.
             plain = plain.to(self.device, non_blocking=True)
         if layout.encoded:
-            plain = layout.decode_rows(plain, self.block_tokens)
-        else:
-            plain = plain.view(count * self.block_tokens, layout.token_bytes)
+            self._decode(output, first_position, plain)
+            return
+        plain = plain.view(count * self.block_tokens, layout.token_bytes)
         offset = 0
         for start, length in self._row_runs(first_position, count):
             block = plain[offset : offset + length]
@@ -224,6 +224,22 @@ class LoadTarget:
             k, v = layout.strategy.split_rows(layout, block, length)
             output.pair[0][start : start + length].copy_(k, non_blocking=True)
             output.pair[1][start : start + length].copy_(v, non_blocking=True)
+
+    def _decode(self, output: LayerOutput, first_position: int, codes: torch.Tensor) -> None:
+        """Decode a chunk's segments straight into the destination rows (each value written
+        once: on the CPU by the C decoders, in one pass from the codes)."""
+        layout = self.layout
+        components = layout.components()
+        if output.rows is not None:
+            values = output.rows.view(layout.dtype)  # [R, values_per_token], contiguous
+            destinations = [(values, c.start) for c in components]
+        else:
+            # An MHA out= pair: component i (k, then v) goes to buffer i, [R, H * D].
+            assert output.pair is not None, "a staged MHA layer has its (k, v) buffers"
+            assert len(components) == len(output.pair), "one out= buffer per component"
+            destinations = [(t.view(t.shape[0], -1), 0) for t in output.pair]
+        row_starts = self.block_rows[first_position : first_position + codes.shape[0]]
+        layout.coder.decode_into(layout, codes, self.block_tokens, destinations, row_starts)
 
     def _row_runs(self, first_position: int, count: int) -> list[tuple[int, int]]:
         """Destination row ranges of blocks ``first_position ..``, merged where consecutive.

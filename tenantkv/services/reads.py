@@ -288,9 +288,13 @@ class NamespaceReads(NamespaceKeys):
                 served_bytes=delivered * stream.num_tokens * self.layout.token_bytes,
             )
         first, last = stream.first_layer_at, stream.last_handed_at
+        # The metric counts the stored bytes the load read and decrypted (a codec's codes, what
+        # the disk, the page cache and the link to a GPU carry); under codec none the same as
+        # the decoded bytes.
+        blocks = stream.num_tokens // self.block_tokens
         self._ctx.metrics.loaded(
             self.tenant,
-            delivered * stream.num_tokens * self.layout.token_bytes,
+            delivered * blocks * self.layout.segment_bytes(self.block_tokens),
             seconds=last - requested
             if last is not None and delivered == stream.num_layers
             else None,
