@@ -34,6 +34,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tenantkv.config import CacheConfig as TenantKVConfig
+from tenantkv.errors import InvalidRequestError
+from tenantkv.integrations import paged_kv
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS, RequestTenant
 from tenantkv.integrations.vllm import TenantKVConnector
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
@@ -579,3 +581,95 @@ def test_a_coded_namespace_loads_decoded_values_into_the_pages(
     plain = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem)
     other = plain.request("plain", params(gateway, "acme"))
     assert plain.connector.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+# ---- the engine's layout, read once ------------------------------------------------------------
+
+
+def count_index_builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Record every index tensor built from a request's block ids (the real one is built)."""
+    built: list[tuple[int, ...]] = []
+    real = paged_kv.block_index
+
+    def counting(block_ids: Any, device: torch.device) -> torch.Tensor:
+        built.append(tuple(block_ids))
+        return real(block_ids, device)
+
+    monkeypatch.setattr(paged_kv, "block_index", counting)
+    return built
+
+
+@pytest.mark.parametrize("max_runs", [0, paged_kv.MAX_SLICED_RUNS])
+def test_a_load_and_a_save_work_out_the_requests_pages_once_for_every_layer(
+    setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch, max_runs: int
+) -> None:
+    """Indexed (``max_runs=0``): one index tensor per request, whatever the number of layers;
+    sliced (vLLM's consecutive pages): none at all. Either way every other page keeps what it
+    held, and the pages hold exactly the stored rows."""
+    monkeypatch.setattr(paged_kv, "MAX_SLICED_RUNS", max_runs)
+    built = count_index_builds(monkeypatch)
+    rows = store_for(setup, "acme")
+    for name in LAYERS:
+        setup.pages[name].fill_(-7.0)  # what other requests' pages hold
+    setup.request("owner", params(gateway, "acme"))
+    setup.request("saver", params(gateway, "globex"))
+    _, meta, errors = setup.step(compute=True)
+    assert errors == set()
+    (load,) = meta.loads
+    (save,) = meta.saves
+    assert len(LAYERS) > 1
+    assert built == ([] if max_runs else [load.block_ids, save.block_ids])
+    written = set(load.block_ids) | set(save.block_ids)
+    for index, name in enumerate(LAYERS):
+        for b, page in enumerate(load.block_ids):
+            expected = rows[index, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
+        untouched = [p for p in range(NUM_BLOCKS) if p not in written]
+        assert bool((setup.pages[name][untouched] == -7.0).all()), name
+    # the save gathered the saver's pages: its next turn loads them back unchanged
+    namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
+    assert namespace is not None
+    with namespace.load(PROMPT[:96]) as stream:
+        for index, layer in stream:
+            k, v = layer
+            paged = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
+            expected = setup.pages[LAYERS[index]][list(save.block_ids)]
+            assert torch.equal(paged.permute(0, 2, 1, 3), expected)
+
+
+def test_pages_of_the_wrong_shape_are_refused_at_registration_and_in_a_step(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    wrong = {name: torch.zeros(NUM_BLOCKS, HEADS + 1, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
+    fresh = TenantKVConnector(setup.config, KVConnectorRole.WORKER, kv_cache_config())
+    with pytest.raises(InvalidRequestError, match="does not match the layout"):
+        fresh.register_kv_caches(wrong)
+    fresh.shutdown()
+    # a step that hands pages of another shape: its loads are reported (vLLM recomputes
+    # them), nothing is written, and the step itself goes on
+    rows = store_for(setup, "acme")
+    setup.request("owner", params(gateway, "acme"))
+    output = setup.scheduler.schedule()
+    meta = output.kv_connector_metadata
+    (load,) = meta.loads
+    layers = {name: SimpleNamespace(kv_cache=wrong[name]) for name in LAYERS}
+    worker = setup.worker
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set(load.block_ids)
+    worker.clear_connector_metadata()
+    assert all(t.abs().sum() == 0 for t in wrong.values())
+    assert all(t.abs().sum() == 0 for t in setup.pages.values())
+    # positive control: the registered pages again, and the next load lands
+    worker.bind_connector_metadata(meta)
+    layers = {name: SimpleNamespace(kv_cache=setup.pages[name]) for name in LAYERS}
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.clear_connector_metadata()
+    page = load.block_ids[0]
+    assert torch.equal(setup.pages[LAYERS[0]][page], rows[0, :BLOCK].permute(1, 0, 2))
