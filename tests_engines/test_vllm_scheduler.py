@@ -28,7 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -46,15 +51,20 @@ from tests_engines.conftest import BLOCK
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, HEAD_DIM, NUM_BLOCKS = 2, 64, 64
+LATENT = 512 + 64  # tiny_deepseek's kv_lora_rank + qk_rope_head_dim
 PROMPT = list(range(10, 110))  # 100 tokens: 3 full blocks of 32 usable (the last token is not)
 EOS = 2
 
 pytestmark = pytest.mark.usefixtures("no_leftover_caches")
 
 
-def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+def kv_cache_config(*, mla: bool = False) -> KVCacheConfig:
+    spec = (
+        MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=torch.float32)
+        if mla
+        else FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+        )
     )
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
@@ -87,7 +97,9 @@ def vllm_config(model: Path, extra: dict[str, Any]) -> VllmConfig:
 
 
 class Setup:
-    """A cache with tenants acme and globex, a scheduler and a worker-side connector on it."""
+    """A cache with tenants acme and globex, a scheduler and a worker-side connector on it
+    (``mla``: over a DeepSeek model's latent pages, ``[B, N, latent]`` as vLLM's CPU MLA
+    layers hold them)."""
 
     def __init__(
         self,
@@ -98,6 +110,7 @@ class Setup:
         *,
         load_async: bool = False,
         codec: str | None = None,
+        mla: bool = False,
     ) -> None:
         self.root = root
         url = index.url(root)
@@ -114,7 +127,7 @@ class Setup:
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
         self.scheduler = Scheduler(
             vllm_config=self.config,
-            kv_cache_config=kv_cache_config(),
+            kv_cache_config=kv_cache_config(mla=mla),
             log_stats=True,
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=BLOCK,
@@ -125,8 +138,11 @@ class Setup:
         for tenant in ("acme", "globex"):
             if tenant not in {t.name for t in self.kv.list_tenants()}:
                 self.kv.create_tenant(tenant)
-        self.worker = TenantKVConnector(self.config, KVConnectorRole.WORKER, kv_cache_config())
-        self.pages = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
+        self.worker = TenantKVConnector(
+            self.config, KVConnectorRole.WORKER, kv_cache_config(mla=mla)
+        )
+        shape = (NUM_BLOCKS, BLOCK, LATENT) if mla else (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
+        self.pages = {name: torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.pages)
 
     def request(
@@ -673,3 +689,62 @@ def test_pages_of_the_wrong_shape_are_refused_at_registration_and_in_a_step(
     worker.clear_connector_metadata()
     page = load.block_ids[0]
     assert torch.equal(setup.pages[LAYERS[0]][page], rows[0, :BLOCK].permute(1, 0, 2))
+
+
+def test_an_mla_load_decrypts_straight_into_the_pages(
+    tmp_path: Path,
+    index: Index,
+    tiny_deepseek: Path,
+    gateway_pem: str,
+    gateway: AssertionSigner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA pages hold a token's row as tenantkv stores it: the load writes the pages itself
+    (no layer tensor, no copy by the connector), only the request's pages; a load that fails
+    there is still reported for recomputation."""
+    setup = Setup(tmp_path / "cache", index, tiny_deepseek, gateway_pem, mla=True)
+    assert setup.connector.engine.layout.kind == "mla"
+    copies: list[str] = []
+    real_write = paged_kv.PagedLayer.write
+
+    def counting_write(self: Any, blocks: Any, layer: Any) -> None:
+        copies.append("write")
+        real_write(self, blocks, layer)
+
+    monkeypatch.setattr(paged_kv.PagedLayer, "write", counting_write)
+    blocks_dir = setup.root / "blocks"
+    stored: dict[str, torch.Tensor] = {}
+    extents: dict[str, set[Path]] = {}
+    for tenant in ("acme", "globex"):
+        namespace = setup.connector.engine.namespace(RequestTenant(tenant, None))
+        assert namespace is not None
+        before = {p for p in blocks_dir.rglob("*") if p.is_file()} if blocks_dir.exists() else set()
+        generator = torch.Generator().manual_seed(len(stored) + 3)
+        stored[tenant] = torch.randn(len(LAYERS), 96, LATENT, generator=generator)
+        assert namespace.store(PROMPT[:96], list(stored[tenant])) == 96
+        extents[tenant] = {p for p in blocks_dir.rglob("*") if p.is_file()} - before
+    for name in LAYERS:
+        setup.pages[name].fill_(-7.0)  # what other requests' pages hold
+    setup.request("owner", params(gateway, "acme"))
+    _, meta, errors = setup.step()
+    assert errors == set()
+    (load,) = meta.loads
+    assert load.first_block == 0 and len(load.block_ids) == 3
+    assert copies == []  # the stream wrote the pages
+    for index_, name in enumerate(LAYERS):
+        for b, page in enumerate(load.block_ids):
+            expected = stored["acme"][index_, b * BLOCK : (b + 1) * BLOCK]
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
+        others = [p for p in range(NUM_BLOCKS) if p not in load.block_ids]
+        assert bool((setup.pages[name][others] == -7.0).all()), name
+    # globex's extent damaged in its last layer: reported, so vLLM recomputes those pages
+    for path in extents["globex"]:
+        if path.stat().st_size > 4096:
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF
+            path.write_bytes(bytes(data))
+    setup.request("globex", params(gateway, "globex"))
+    _, meta, errors = setup.step()
+    (load,) = meta.loads
+    assert errors == set(load.block_ids)
+    assert setup.kv.security_events().get("segment_open_failed", 0) >= 1

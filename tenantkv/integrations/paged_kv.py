@@ -123,6 +123,11 @@ class RequestBlocks:
             tensor = self._index[device] = block_index(self.block_ids, device)
         return tensor
 
+    def first_rows(self, block_tokens: int) -> list[int]:
+        """Each block's first row in pages viewed as ``[pages * block_tokens, C]`` token rows
+        (a load's ``block_rows``)."""
+        return [page * block_tokens for page in self.block_ids]
+
     def check_fits(self, num_pages: int) -> None:
         if self.block_ids and max(self.block_ids) >= num_pages:
             raise InvalidRequestError(
@@ -161,11 +166,22 @@ class PagedLayer:
         else:
             cells = pages.view(*pages.shape[:3], 2, layout.head_dim)
             self._parts = [cells[..., 0, :], cells[..., 1, :]]
+        #: The pages as ``[pages * N, C]`` token rows, when a token's row lies in them as
+        #: tenantkv stores it (MLA pages, contiguous): a load can then decrypt straight into
+        #: the pages (``Namespace.load(out=, block_rows=)``), with no layer tensor between.
+        #: MHA pages keep each head's tokens together, so a token's row is not contiguous.
+        self.rows: torch.Tensor | None = None
+        if layout.kind == "mla" and pages.is_contiguous():
+            self.rows = pages.view(self.num_pages * self.block_tokens, self.cell)
 
     def same_pages(self, kv_layer: Any) -> bool:
         """Whether ``kv_layer`` is the memory this view was built over (a step may hand the
         registered pages again, or another view of them)."""
         return isinstance(kv_layer, torch.Tensor) and _tensor_key(kv_layer) == self.key
+
+    def check_blocks(self, blocks: RequestBlocks) -> None:
+        """Refuse a request whose pages lie outside these (InvalidRequestError)."""
+        blocks.check_fits(self.num_pages)
 
     def _as_blocks(self, rows: torch.Tensor, count: int) -> torch.Tensor:
         """``[T, H, C]`` rows as ``[count, H, N, C]`` (the pages' axis order; a view)."""

@@ -20,6 +20,11 @@ layer, and saves computed prompts from it.
   has them checked once at ``start_load_kv``. Each request's pages are worked out once
   (:class:`~tenantkv.integrations.paged_kv.RequestBlocks`: runs of consecutive pages, or one
   index tensor) when its load starts or its save is queued, and reused by every layer.
+* **Straight into the pages**: where a token's row lies in the pages as tenantkv stores it
+  (MLA: ``[blocks, tokens, latent]``) and the load fills all of its blocks, the pages are the
+  load's ``out=`` buffers (``block_rows``: each block's first row): the load decrypts into them
+  in the background, with no layer tensor and no copy; ``wait_for_layer_load`` only waits.
+  Otherwise (MHA pages keep each head's tokens together) each layer is copied once.
 * **Failures**: a load that finds its prefix gone, a segment that fails to open (a security
   event, the extent dropped), a revoked key or an I/O error: the request's loaded pages are
   reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
@@ -54,6 +59,7 @@ class _Load:
     spec: LoadSpec
     stream: LoadStream | None
     blocks: RequestBlocks  # the pages blocks first_block.. go to, worked out once
+    direct: bool  # the stream writes the pages itself (no copy here)
     written: int = 0  # layers written into the pages
 
 
@@ -140,12 +146,40 @@ class WorkerSide:
 
     # ---- loads --------------------------------------------------------------------------------
 
-    def _open(self, spec: LoadSpec) -> LoadStream | None:
+    def _direct_target(
+        self, spec: LoadSpec, blocks: RequestBlocks
+    ) -> tuple[list[torch.Tensor], list[int]] | None:
+        """Every layer's pages as token rows and the request's blocks' first rows in them,
+        when the load can decrypt straight into the pages: every layer's rows lie there as
+        stored (``PagedLayer.rows``), on one device, in blocks of the namespace's size, and
+        the load fills all of its blocks (blocks the engine already has are not rewritten:
+        they may be shared with other requests)."""
+        if spec.first_block:
+            return None
+        tokens = self._engine.block_tokens
+        buffers: list[torch.Tensor] = []
+        for name in self._layer_names:
+            paged = self._paged.get(name)
+            if paged is None or paged.rows is None or paged.block_tokens != tokens:
+                return None
+            buffers.append(paged.rows)
+        if len({buffer.device for buffer in buffers}) != 1:
+            return None
+        return buffers, blocks.first_rows(tokens)
+
+    def _open(
+        self,
+        spec: LoadSpec,
+        direct: tuple[list[torch.Tensor], list[int]] | None = None,
+    ) -> LoadStream | None:
         namespace = self._engine.namespace(spec.owner)
         if namespace is None:
             self._failures.add(spec, LookupError(f"no namespace for {spec.owner}"))
             return None
         try:
+            if direct is not None:
+                out, rows = direct
+                return namespace.load(list(spec.token_ids), out[0].device, out=out, block_rows=rows)
             return namespace.load(list(spec.token_ids))
         except TenantKVError as err:
             self._failures.add(spec, err)
@@ -162,10 +196,13 @@ class WorkerSide:
                 continue
             try:
                 blocks = RequestBlocks(spec.block_ids[spec.first_block :])
+                for name in self._layer_names:
+                    self._pages_of(name).check_blocks(blocks)
             except InvalidRequestError as err:
                 self._failures.add(spec, err)
                 continue
-            self._loads.append(_Load(spec, self._open(spec), blocks))
+            direct = self._direct_target(spec, blocks)
+            self._loads.append(_Load(spec, self._open(spec, direct), blocks, direct is not None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -176,7 +213,8 @@ class WorkerSide:
                 continue
             try:
                 layer = load.stream.wait_for_layer(index)
-                self._write(load.spec, load.blocks, layer_name, layer)
+                if not load.direct:  # else the stream wrote the layer into the pages
+                    self._write(load.spec, load.blocks, layer_name, layer)
                 load.written += 1
             except (TenantKVError, RuntimeError) as err:
                 self._failures.add(load.spec, err)
@@ -199,11 +237,15 @@ class WorkerSide:
         """Background: every layer of an async load into its pages, then report it finished."""
         try:
             blocks = RequestBlocks(spec.block_ids[spec.first_block :])
-            stream = self._open(spec)
+            for name in self._layer_names:
+                self._pages_of(name).check_blocks(blocks)
+            direct = self._direct_target(spec, blocks)
+            stream = self._open(spec, direct)
             if stream is not None:
                 with stream:
                     for index, layer in stream:
-                        self._write(spec, blocks, self._layer_names[index], layer)
+                        if direct is None:  # else the stream wrote the layer into the pages
+                            self._write(spec, blocks, self._layer_names[index], layer)
         except (TenantKVError, RuntimeError, KeyError) as err:
             self._failures.add(spec, err)
         finally:
