@@ -202,6 +202,16 @@ def test_a_requests_blocks_are_worked_out_once_for_every_layer(
     assert scattered.index(torch.device("cpu")) is scattered.index(torch.device("cpu"))
 
 
+def test_slices_while_a_request_has_few_runs_one_indexed_copy_beyond() -> None:
+    def runs_of(blocks: int, runs: int) -> RequestBlocks:
+        per = blocks // runs  # runs of `per` pages, a page left out between them
+        return RequestBlocks([r * (per + 1) + j for r in range(runs) for j in range(per)])
+
+    assert runs_of(8, 4).sliced and not runs_of(8, 8).sliced  # at least 4 runs as slices
+    assert runs_of(64, 16).sliced and not runs_of(64, 32).sliced  # blocks // 4
+    assert runs_of(256, 16).sliced and not runs_of(256, 32).sliced  # at most 16
+
+
 def test_pages_are_checked_once_and_bad_blocks_refused_before_any_copy() -> None:
     with pytest.raises(InvalidRequestError, match="does not match the layout"):
         PagedLayer(torch.zeros(2, 3, BLOCK, 8, dtype=torch.float16), MHA)

@@ -55,3 +55,14 @@ def test_per_round_counts_the_rounds_that_meet() -> None:
     ratios = [0.09, 0.12, 0.1, 0.2]
     assert report.per_round(ratios, lambda r: r <= 0.1) == "0.090-0.200, 2 of 4 meet"
     assert report.per_round(ratios, lambda r: r >= 1) == "0.090-0.200, 0 of 4 meet"
+
+
+def test_a_rewrite_keeps_the_other_benchmarks_sections(tmp_path: Path) -> None:
+    """peers.py rewrites BENCHMARKS.md; the engines' sections after the marker stay."""
+    path = tmp_path / "BENCHMARKS.md"
+    assert report.kept_sections(path) == ""  # no file yet
+    path.write_text("# old peers figures\n\nno marker\n", encoding="utf-8")
+    assert report.kept_sections(path) == ""
+    engines = f"{report.KEPT_MARKER}\n\n## vLLM on CPU\n\n| a | b |\n"
+    path.write_text("# old peers figures\n\n" + engines, encoding="utf-8")
+    assert report.kept_sections(path) == "\n" + engines

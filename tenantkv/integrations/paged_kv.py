@@ -73,10 +73,14 @@ def _check_layer(layer: Layer, layout: KVLayout, dtype: torch.dtype, rows: int) 
             raise InvalidRequestError(f"a layer of {tensor.dtype} for pages of {dtype}")
 
 
-#: The most runs of consecutive pages a request's blocks are copied in as slices; beyond it
-#: one indexed copy (``index_copy_``/``index_select`` over the request's index tensor) costs
-#: less than that many small copies.
-MAX_SLICED_RUNS = 8
+#: Slices or one indexed copy: each run of consecutive pages is one slice copy per part of a
+#: layer (a few microseconds each, one kernel on a GPU), an indexed copy costs about as much
+#: as 4 of them at 256 tokens and more at longer prompts (``index_copy_``/``index_select`` are
+#: slower per byte than a slice copy). A request is copied as slices while it has at most
+#: ``max(MIN_SLICED_RUNS, blocks // 4)`` runs, and never more than ``MAX_SLICED_RUNS``
+#: (measured on CPU pages: docs/perf.md, "the engine's KV layout read once").
+MIN_SLICED_RUNS = 4
+MAX_SLICED_RUNS = 16
 
 
 def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -90,7 +94,7 @@ class RequestBlocks:
 
     Block ``i`` of the request's rows lives in page ``block_ids[i]``. vLLM mostly hands out
     consecutive pages, so the blocks are kept as runs of consecutive pages (one slice copy
-    each, no index tensor); a request scattered over more runs than :data:`MAX_SLICED_RUNS`
+    each, no index tensor); a request scattered over more runs (see :data:`MAX_SLICED_RUNS`)
     is copied with one indexed copy, whose index tensor is built on first use and then reused
     by every layer (per device).
     """
@@ -110,7 +114,8 @@ class RequestBlocks:
                 self.runs[-1] = (first, count + 1, start)
             else:
                 self.runs.append((page, 1, at))
-        self.sliced = len(self.runs) <= MAX_SLICED_RUNS
+        limit = min(MAX_SLICED_RUNS, max(MIN_SLICED_RUNS, len(self.block_ids) // 4))
+        self.sliced = len(self.runs) <= limit
         self._index: dict[torch.device, torch.Tensor] = {}
 
     def __len__(self) -> int:

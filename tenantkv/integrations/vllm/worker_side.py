@@ -313,6 +313,8 @@ class WorkerSide:
                 if refused is not None:
                     raise refused
                 blocks = RequestBlocks(spec.block_ids[spec.start_block :])
+                for layer in paged:  # refused here: nothing queued, no pages held for it
+                    layer.check_blocks(blocks)
             except (InvalidRequestError, RuntimeError) as err:
                 self._engine.failed("save", err, request_id=spec.request_id)
                 continue
