@@ -766,7 +766,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots_dir=out,
         benchmarks_path=Path(args.benchmarks),
     )
-    Path(args.benchmarks).write_text(text, encoding="utf-8")
+    kept = report.kept_sections(Path(args.benchmarks))  # the engines' sections, at the end
+    Path(args.benchmarks).write_text(text + kept, encoding="utf-8")
     (out / "peers.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
     print(text)
     written = [Path(args.benchmarks), out / "peers.json"] + [

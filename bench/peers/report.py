@@ -417,6 +417,22 @@ def plot_tenants(tenants: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------- #
 
 
+#: BENCHMARKS.md from this line on holds other benchmarks' figures (the engines', each section
+#: with its own command): a run of peers.py rewrites everything above it and keeps the rest.
+KEPT_MARKER = "<!-- other benchmarks below: peers.py keeps this part when it rewrites the file -->"
+
+
+def kept_sections(path: Path) -> str:
+    """The part of an existing BENCHMARKS.md from :data:`KEPT_MARKER` on, to append to a new
+    run's text ('' when the file or the marker is missing)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ""
+    at = text.find(KEPT_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -458,7 +474,9 @@ def build(
         "# Benchmarks: tenantkv against unencrypted peers",
         "",
         "Written by `bench/peers/peers.py` from one run on the machine below; rerun it to"
-        " replace every figure (bench/peers/README.md). Only ratios carry over between machines.",
+        " replace every figure (bench/peers/README.md). Only ratios carry over between machines."
+        " The sections after the marker near the end come from other benchmarks, each with its"
+        " command; peers.py keeps them.",
         "",
         f"- date: {date} (the run took {minutes:.1f} min)",
         f"- command: `{command}`",
