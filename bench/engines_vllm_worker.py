@@ -15,6 +15,10 @@ defaults. Per prompt length and rep, a fresh prompt is stored, then:
 
 Pages are ``consecutive`` (vLLM's usual allocation) or ``scattered`` (a random set).
 
+``--layout mla``: a DeepSeek-style latent instead (8 layers of 512 + 64 bf16 values a token,
+vLLM's CPU MLA pages ``[blocks, tokens, latent]``), where a load decrypts straight into the
+pages.
+
 With ``--baseline DIR`` (a tree whose ``tenantkv`` package is another version, e.g.
 ``git archive`` of the base commit with crypto, storage and audit inside it and the built
 extensions copied), each round runs this version and that one in fresh processes, alternating
@@ -22,7 +26,7 @@ which goes first, and reports each version's medians and their ratio in the same
 
 Run (in the engine venv):
     .venv-engines/bin/python bench/engines_vllm_worker.py [--lengths 256,1024,2048] \
-        [--reps 5] [--rounds 4] [--baseline DIR] [--out DIR]
+        [--reps 5] [--rounds 4] [--layout mha|mla] [--baseline DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,6 +45,35 @@ from types import SimpleNamespace
 from typing import Any
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, PAGES = 8, 4, 64, 32, 256
+RANK, ROPE = 512, 64  # --layout mla: DeepSeek-V3's latent
+
+
+def write_deepseek(directory: Path) -> None:
+    """A random 8-layer DeepSeek-V2 (MLA) small enough to write in a second; the connector
+    reads only its config."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=RANK,
+        q_lora_rank=None,
+        qk_rope_head_dim=ROPE,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=LAYERS,
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+    )
+    DeepseekV2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -58,7 +91,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         VllmConfig,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
 
     import tenantkv
     from tenantkv.integrations.engine_identity import RequestTenant
@@ -67,8 +105,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from tenantkv.tenant_assertion import AssertionSigner, public_key_pem
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    attention = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    mla = spec["layout"] == "mla"
+    attention = (
+        MLAAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, head_size=RANK + ROPE, dtype=torch.bfloat16
+        )
+        if mla
+        else FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+        )
     )
     kv_config = KVCacheConfig(
         num_blocks=PAGES, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, attention)]
@@ -105,7 +150,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     owner = RequestTenant("bench", None)
     namespace = connector.engine.namespace(owner)
     assert namespace is not None
-    pages = {name: torch.zeros(PAGES, HEADS, BLOCK, 2 * HEAD_DIM) for name in names}
+    if mla:  # as vLLM's CPU MLA layers hold them
+        pages = {
+            name: torch.zeros(PAGES, BLOCK, RANK + ROPE, dtype=torch.bfloat16) for name in names
+        }
+    else:
+        pages = {name: torch.zeros(PAGES, HEADS, BLOCK, 2 * HEAD_DIM) for name in names}
     connector.register_kv_caches(pages)
     forward = SimpleNamespace(no_compile_layers={})
     picker = random.Random(spec["seed"])
@@ -140,8 +190,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 block_ids = tuple(range(first, first + blocks))
             else:
                 block_ids = tuple(picker.sample(range(PAGES), blocks))
-            rows = torch.randn(LAYERS, length, HEADS, 2 * HEAD_DIM, generator=generator)
-            layers = [(r[..., :HEAD_DIM], r[..., HEAD_DIM:]) for r in rows]
+            if mla:
+                rows = torch.randn(LAYERS, length, RANK + ROPE, generator=generator)
+                rows = rows.to(torch.bfloat16)
+                layers: list[Any] = list(rows)
+            else:
+                rows = torch.randn(LAYERS, length, HEADS, 2 * HEAD_DIM, generator=generator)
+                layers = [(r[..., :HEAD_DIM], r[..., HEAD_DIM:]) for r in rows]
             assert namespace.store(tokens, layers) == length
             load = LoadSpec(f"load-{counter}", owner, tuple(tokens), block_ids, 0, False)
 
@@ -155,7 +210,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             )
             for index, name in enumerate(names):  # every loaded byte checked
                 got = pages[name][list(block_ids)]
-                want = rows[index].view(blocks, BLOCK, HEADS, -1).transpose(1, 2)
+                if mla:
+                    want = rows[index].view(blocks, BLOCK, -1)
+                else:
+                    want = rows[index].view(blocks, BLOCK, HEADS, -1).transpose(1, 2)
                 assert torch.equal(got, want), (placement, length, name)
             # the save: another fresh prompt, from the same pages
             save_tokens = [(t + 15013) % 30000 for t in tokens]
@@ -204,6 +262,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int_list, default="256,1024,2048")
     parser.add_argument("--rounds", type=int, default=4, help="processes per version")
     parser.add_argument("--baseline", type=Path, help="a tree with another tenantkv version")
+    parser.add_argument("--layout", choices=("mha", "mla"), default="mha")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -218,11 +277,15 @@ def main() -> None:
         work = Path(tmp)
         print_machine(tmp)
         model = work / "model"
-        write_model(model)
+        if args.layout == "mla":
+            write_deepseek(model)
+        else:
+            write_model(model)
         for round_ in range(max(1, args.rounds)):
             order = versions if round_ % 2 == 0 else versions[::-1]
             for version in order:
                 spec = {"model": str(model), "lengths": args.lengths, "reps": args.reps}
+                spec["layout"] = args.layout
                 spec["seed"] = round_
                 got = run_version(version, args.baseline, spec, work / f"round-{round_}")
                 paths[version] = got["tenantkv"]
