@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 import tenantkv
 from tenantkv import KVLayout
 from tenantkv.errors import InvalidRequestError
-from tenantkv.integrations.paged_kv import gather_layer, scatter_layer
+from tenantkv.integrations import paged_kv
+from tenantkv.integrations.paged_kv import (
+    PagedLayer,
+    RequestBlocks,
+    gather_layer,
+    scatter_layer,
+)
 from tests.helpers import MHA_SMALL, random_tokens
 
 BLOCK = 16
@@ -99,8 +105,22 @@ def _page_choices(draw: st.DrawFn) -> tuple[int, list[int]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(choice=_page_choices(), mla=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    choice=_page_choices(),
+    mla=st.booleans(),
+    seed=st.integers(0, 2**16),
+    max_runs=st.sampled_from([0, paged_kv.MAX_SLICED_RUNS]),
+)
 def test_scatter_and_gather_match_a_token_by_token_model(
+    choice: tuple[int, list[int]], mla: bool, seed: int, max_runs: int
+) -> None:
+    """Both copy paths: slices of consecutive pages, and one indexed copy (``max_runs=0``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_kv, "MAX_SLICED_RUNS", max_runs)
+        _scatter_and_gather_match_the_model(choice, mla, seed)
+
+
+def _scatter_and_gather_match_the_model(
     choice: tuple[int, list[int]], mla: bool, seed: int
 ) -> None:
     num_pages, block_ids = choice
@@ -148,3 +168,74 @@ def test_a_layer_of_the_wrong_kind_or_dtype_is_refused() -> None:
     assert pages.abs().sum() == 0
     scatter_layer(pages, [0], (k, k), MHA)  # control: the right layer is written
     assert pages[0].abs().sum() > 0
+
+
+def test_a_requests_blocks_are_worked_out_once_for_every_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs of consecutive pages are copied as slices (no index tensor); past
+    MAX_SLICED_RUNS runs, one index tensor is built for the request and reused by every
+    layer, in both directions."""
+    built: list[tuple[int, ...]] = []
+    real = paged_kv.block_index
+
+    def counting(block_ids: list[int], device: torch.device) -> torch.Tensor:
+        built.append(tuple(block_ids))
+        return real(block_ids, device)
+
+    monkeypatch.setattr(paged_kv, "block_index", counting)
+    consecutive = RequestBlocks([5, 6, 7, 2, 3])
+    assert consecutive.runs == [(5, 3, 0), (2, 2, 3)] and consecutive.sliced
+    layers = [PagedLayer(torch.zeros(8, 2, BLOCK, 8, dtype=torch.float16), MHA) for _ in range(4)]
+    rows = [(torch.randn(5 * BLOCK, 2, 4).half(), torch.randn(5 * BLOCK, 2, 4).half())] * 4
+    for pages, layer in zip(layers, rows, strict=True):
+        pages.write(consecutive, layer)
+    assert built == []  # slices only
+    monkeypatch.setattr(paged_kv, "MAX_SLICED_RUNS", 1)
+    scattered = RequestBlocks([5, 6, 7, 2, 3])
+    assert not scattered.sliced
+    for pages, layer in zip(layers, rows, strict=True):
+        pages.write(scattered, layer)
+        got = pages.read(scattered)
+        assert all(torch.equal(a, b) for a, b in zip(got, layer, strict=True))
+    assert built == [(5, 6, 7, 2, 3)]  # once for 4 layers written and read
+    assert scattered.index(torch.device("cpu")) is scattered.index(torch.device("cpu"))
+
+
+def test_slices_while_a_request_has_few_runs_one_indexed_copy_beyond() -> None:
+    def runs_of(blocks: int, runs: int) -> RequestBlocks:
+        per = blocks // runs  # runs of `per` pages, a page left out between them
+        return RequestBlocks([r * (per + 1) + j for r in range(runs) for j in range(per)])
+
+    assert runs_of(8, 4).sliced and not runs_of(8, 8).sliced  # at least 4 runs as slices
+    assert runs_of(64, 16).sliced and not runs_of(64, 32).sliced  # blocks // 4
+    assert runs_of(256, 16).sliced and not runs_of(256, 32).sliced  # at most 16
+
+
+def test_pages_are_checked_once_and_bad_blocks_refused_before_any_copy() -> None:
+    with pytest.raises(InvalidRequestError, match="does not match the layout"):
+        PagedLayer(torch.zeros(2, 3, BLOCK, 8, dtype=torch.float16), MHA)
+    with pytest.raises(InvalidRequestError, match=r"KV cache must be a torch\.Tensor"):
+        PagedLayer([torch.zeros(2, 2, BLOCK, 8)], MHA)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="repeated"):
+        RequestBlocks([1, 2, 1])
+    with pytest.raises(InvalidRequestError, match="negative"):
+        RequestBlocks([0, -1])
+    pages = PagedLayer(torch.zeros(3, 2, BLOCK, 8, dtype=torch.float16), MHA)
+    k = torch.ones(2 * BLOCK, 2, 4).half()
+    with pytest.raises(InvalidRequestError, match="outside the engine's 3 pages"):
+        pages.write(RequestBlocks([2, 3]), (k, k))
+    assert pages.pages.abs().sum() == 0  # nothing half-written
+    pages.write(RequestBlocks([2, 0]), (k, k))  # control: pages that exist are written
+    assert pages.pages[1].abs().sum() == 0 and pages.pages[[0, 2]].abs().sum() > 0
+
+
+def test_a_view_over_the_same_pages_is_recognised() -> None:
+    """vLLM's MLA layers keep a squeezed view of the registered pages: the same memory and
+    shape is the same view, another shape or memory is checked again."""
+    registered = torch.zeros(4, 1, BLOCK, 8, dtype=torch.bfloat16)
+    paged = PagedLayer(registered, MLA)
+    assert paged.same_pages(registered)
+    assert not paged.same_pages(registered.squeeze(1))
+    assert not paged.same_pages(registered.clone())
+    assert PagedLayer(registered.squeeze(1), MLA).same_pages(registered.squeeze(1))

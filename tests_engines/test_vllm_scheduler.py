@@ -28,12 +28,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tenantkv.config import CacheConfig as TenantKVConfig
+from tenantkv.errors import InvalidRequestError
+from tenantkv.integrations import paged_kv
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS, RequestTenant
 from tenantkv.integrations.vllm import TenantKVConnector
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
@@ -44,15 +51,20 @@ from tests_engines.conftest import BLOCK
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, HEAD_DIM, NUM_BLOCKS = 2, 64, 64
+LATENT = 512 + 64  # tiny_deepseek's kv_lora_rank + qk_rope_head_dim
 PROMPT = list(range(10, 110))  # 100 tokens: 3 full blocks of 32 usable (the last token is not)
 EOS = 2
 
 pytestmark = pytest.mark.usefixtures("no_leftover_caches")
 
 
-def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+def kv_cache_config(*, mla: bool = False) -> KVCacheConfig:
+    spec = (
+        MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=torch.float32)
+        if mla
+        else FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+        )
     )
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
@@ -85,7 +97,9 @@ def vllm_config(model: Path, extra: dict[str, Any]) -> VllmConfig:
 
 
 class Setup:
-    """A cache with tenants acme and globex, a scheduler and a worker-side connector on it."""
+    """A cache with tenants acme and globex, a scheduler and a worker-side connector on it
+    (``mla``: over a DeepSeek model's latent pages, ``[B, N, latent]`` as vLLM's CPU MLA
+    layers hold them)."""
 
     def __init__(
         self,
@@ -96,6 +110,7 @@ class Setup:
         *,
         load_async: bool = False,
         codec: str | None = None,
+        mla: bool = False,
     ) -> None:
         self.root = root
         url = index.url(root)
@@ -112,7 +127,7 @@ class Setup:
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
         self.scheduler = Scheduler(
             vllm_config=self.config,
-            kv_cache_config=kv_cache_config(),
+            kv_cache_config=kv_cache_config(mla=mla),
             log_stats=True,
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=BLOCK,
@@ -123,8 +138,11 @@ class Setup:
         for tenant in ("acme", "globex"):
             if tenant not in {t.name for t in self.kv.list_tenants()}:
                 self.kv.create_tenant(tenant)
-        self.worker = TenantKVConnector(self.config, KVConnectorRole.WORKER, kv_cache_config())
-        self.pages = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
+        self.worker = TenantKVConnector(
+            self.config, KVConnectorRole.WORKER, kv_cache_config(mla=mla)
+        )
+        shape = (NUM_BLOCKS, BLOCK, LATENT) if mla else (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
+        self.pages = {name: torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.pages)
 
     def request(
@@ -579,3 +597,154 @@ def test_a_coded_namespace_loads_decoded_values_into_the_pages(
     plain = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem)
     other = plain.request("plain", params(gateway, "acme"))
     assert plain.connector.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+# ---- the engine's layout, read once ------------------------------------------------------------
+
+
+def count_index_builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Record every index tensor built from a request's block ids (the real one is built)."""
+    built: list[tuple[int, ...]] = []
+    real = paged_kv.block_index
+
+    def counting(block_ids: Any, device: torch.device) -> torch.Tensor:
+        built.append(tuple(block_ids))
+        return real(block_ids, device)
+
+    monkeypatch.setattr(paged_kv, "block_index", counting)
+    return built
+
+
+@pytest.mark.parametrize("max_runs", [0, paged_kv.MAX_SLICED_RUNS])
+def test_a_load_and_a_save_work_out_the_requests_pages_once_for_every_layer(
+    setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch, max_runs: int
+) -> None:
+    """Indexed (``max_runs=0``): one index tensor per request, whatever the number of layers;
+    sliced (vLLM's consecutive pages): none at all. Either way every other page keeps what it
+    held, and the pages hold exactly the stored rows."""
+    monkeypatch.setattr(paged_kv, "MAX_SLICED_RUNS", max_runs)
+    built = count_index_builds(monkeypatch)
+    rows = store_for(setup, "acme")
+    for name in LAYERS:
+        setup.pages[name].fill_(-7.0)  # what other requests' pages hold
+    setup.request("owner", params(gateway, "acme"))
+    setup.request("saver", params(gateway, "globex"))
+    _, meta, errors = setup.step(compute=True)
+    assert errors == set()
+    (load,) = meta.loads
+    (save,) = meta.saves
+    assert len(LAYERS) > 1
+    assert built == ([] if max_runs else [load.block_ids, save.block_ids])
+    written = set(load.block_ids) | set(save.block_ids)
+    for index, name in enumerate(LAYERS):
+        for b, page in enumerate(load.block_ids):
+            expected = rows[index, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
+        untouched = [p for p in range(NUM_BLOCKS) if p not in written]
+        assert bool((setup.pages[name][untouched] == -7.0).all()), name
+    # the save gathered the saver's pages: its next turn loads them back unchanged
+    namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
+    assert namespace is not None
+    with namespace.load(PROMPT[:96]) as stream:
+        for index, layer in stream:
+            k, v = layer
+            paged = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
+            expected = setup.pages[LAYERS[index]][list(save.block_ids)]
+            assert torch.equal(paged.permute(0, 2, 1, 3), expected)
+
+
+def test_pages_of_the_wrong_shape_are_refused_at_registration_and_in_a_step(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    wrong = {name: torch.zeros(NUM_BLOCKS, HEADS + 1, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
+    fresh = TenantKVConnector(setup.config, KVConnectorRole.WORKER, kv_cache_config())
+    with pytest.raises(InvalidRequestError, match="does not match the layout"):
+        fresh.register_kv_caches(wrong)
+    fresh.shutdown()
+    # a step that hands pages of another shape: its loads are reported (vLLM recomputes
+    # them), nothing is written, and the step itself goes on
+    rows = store_for(setup, "acme")
+    setup.request("owner", params(gateway, "acme"))
+    output = setup.scheduler.schedule()
+    meta = output.kv_connector_metadata
+    (load,) = meta.loads
+    layers = {name: SimpleNamespace(kv_cache=wrong[name]) for name in LAYERS}
+    worker = setup.worker
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set(load.block_ids)
+    worker.clear_connector_metadata()
+    assert all(t.abs().sum() == 0 for t in wrong.values())
+    assert all(t.abs().sum() == 0 for t in setup.pages.values())
+    # positive control: the registered pages again, and the next load lands
+    worker.bind_connector_metadata(meta)
+    layers = {name: SimpleNamespace(kv_cache=setup.pages[name]) for name in LAYERS}
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.clear_connector_metadata()
+    page = load.block_ids[0]
+    assert torch.equal(setup.pages[LAYERS[0]][page], rows[0, :BLOCK].permute(1, 0, 2))
+
+
+def test_an_mla_load_decrypts_straight_into_the_pages(
+    tmp_path: Path,
+    index: Index,
+    tiny_deepseek: Path,
+    gateway_pem: str,
+    gateway: AssertionSigner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA pages hold a token's row as tenantkv stores it: the load writes the pages itself
+    (no layer tensor, no copy by the connector), only the request's pages; a load that fails
+    there is still reported for recomputation."""
+    setup = Setup(tmp_path / "cache", index, tiny_deepseek, gateway_pem, mla=True)
+    assert setup.connector.engine.layout.kind == "mla"
+    copies: list[str] = []
+    real_write = paged_kv.PagedLayer.write
+
+    def counting_write(self: Any, blocks: Any, layer: Any) -> None:
+        copies.append("write")
+        real_write(self, blocks, layer)
+
+    monkeypatch.setattr(paged_kv.PagedLayer, "write", counting_write)
+    blocks_dir = setup.root / "blocks"
+    stored: dict[str, torch.Tensor] = {}
+    extents: dict[str, set[Path]] = {}
+    for tenant in ("acme", "globex"):
+        namespace = setup.connector.engine.namespace(RequestTenant(tenant, None))
+        assert namespace is not None
+        before = {p for p in blocks_dir.rglob("*") if p.is_file()} if blocks_dir.exists() else set()
+        generator = torch.Generator().manual_seed(len(stored) + 3)
+        stored[tenant] = torch.randn(len(LAYERS), 96, LATENT, generator=generator)
+        assert namespace.store(PROMPT[:96], list(stored[tenant])) == 96
+        extents[tenant] = {p for p in blocks_dir.rglob("*") if p.is_file()} - before
+    for name in LAYERS:
+        setup.pages[name].fill_(-7.0)  # what other requests' pages hold
+    setup.request("owner", params(gateway, "acme"))
+    _, meta, errors = setup.step()
+    assert errors == set()
+    (load,) = meta.loads
+    assert load.first_block == 0 and len(load.block_ids) == 3
+    assert copies == []  # the stream wrote the pages
+    for index_, name in enumerate(LAYERS):
+        for b, page in enumerate(load.block_ids):
+            expected = stored["acme"][index_, b * BLOCK : (b + 1) * BLOCK]
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
+        others = [p for p in range(NUM_BLOCKS) if p not in load.block_ids]
+        assert bool((setup.pages[name][others] == -7.0).all()), name
+    # globex's extent damaged in its last layer: reported, so vLLM recomputes those pages
+    for path in extents["globex"]:
+        if path.stat().st_size > 4096:
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF
+            path.write_bytes(bytes(data))
+    setup.request("globex", params(gateway, "globex"))
+    _, meta, errors = setup.step()
+    (load,) = meta.loads
+    assert errors == set(load.block_ids)
+    assert setup.kv.security_events().get("segment_open_failed", 0) >= 1

@@ -473,7 +473,9 @@ def build(
         "# Benchmarks: tenantkv against unencrypted peers",
         "",
         "Written by `bench/peers/peers.py` from one run on the machine below; rerun it to"
-        " replace every figure (bench/peers/README.md). Only ratios carry over between machines.",
+        " replace every figure (bench/peers/README.md). Only ratios carry over between machines."
+        " The sections after the marker near the end come from other benchmarks, each with its"
+        " command; peers.py keeps them.",
         "",
         f"- date: {date} (the run took {minutes:.1f} min)",
         f"- command: `{command}`",

@@ -15,6 +15,7 @@ Engine-free on purpose: the engine tests and the main suite use the same copies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -72,35 +73,176 @@ def _check_layer(layer: Layer, layout: KVLayout, dtype: torch.dtype, rows: int) 
             raise InvalidRequestError(f"a layer of {tensor.dtype} for pages of {dtype}")
 
 
-def _blocks(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+#: Slices or one indexed copy: each run of consecutive pages is one slice copy per part of a
+#: layer (a few microseconds each, one kernel on a GPU), an indexed copy costs about as much
+#: as 4 of them at 256 tokens and more at longer prompts (``index_copy_``/``index_select`` are
+#: slower per byte than a slice copy). A request is copied as slices while it has at most
+#: ``max(MIN_SLICED_RUNS, blocks // 4)`` runs, and never more than ``MAX_SLICED_RUNS``
+#: (measured on CPU pages: docs/perf.md, "the engine's KV layout read once").
+MIN_SLICED_RUNS = 4
+MAX_SLICED_RUNS = 16
+
+
+def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``block_ids`` as an index tensor on ``device``: built from a Python list, and on a GPU
+    copied to the device, so :class:`RequestBlocks` builds it once per request, not per layer."""
     return torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
 
 
+class RequestBlocks:
+    """A request's pages, worked out once for every layer it loads or saves.
+
+    Block ``i`` of the request's rows lives in page ``block_ids[i]``. vLLM mostly hands out
+    consecutive pages, so the blocks are kept as runs of consecutive pages (one slice copy
+    each, no index tensor); a request scattered over more runs (see :data:`MAX_SLICED_RUNS`)
+    is copied with one indexed copy, whose index tensor is built on first use and then reused
+    by every layer (per device).
+    """
+
+    def __init__(self, block_ids: Sequence[int]) -> None:
+        self.block_ids = tuple(int(b) for b in block_ids)
+        if self.block_ids and min(self.block_ids) < 0:
+            raise InvalidRequestError(f"negative block ids in {self.block_ids}")
+        if len(set(self.block_ids)) != len(self.block_ids):
+            # two blocks of rows into one page: one would overwrite the other
+            raise InvalidRequestError(f"repeated block ids in {self.block_ids}")
+        #: (first page, pages, first block of the request), in the request's order
+        self.runs: list[tuple[int, int, int]] = []
+        for at, page in enumerate(self.block_ids):
+            if self.runs and self.runs[-1][0] + self.runs[-1][1] == page:
+                first, count, start = self.runs[-1]
+                self.runs[-1] = (first, count + 1, start)
+            else:
+                self.runs.append((page, 1, at))
+        limit = min(MAX_SLICED_RUNS, max(MIN_SLICED_RUNS, len(self.block_ids) // 4))
+        self.sliced = len(self.runs) <= limit
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The block ids as an index tensor on ``device`` (built once, then reused)."""
+        tensor = self._index.get(device)
+        if tensor is None:
+            tensor = self._index[device] = block_index(self.block_ids, device)
+        return tensor
+
+    def first_rows(self, block_tokens: int) -> list[int]:
+        """Each block's first row in pages viewed as ``[pages * block_tokens, C]`` token rows
+        (a load's ``block_rows``)."""
+        return [page * block_tokens for page in self.block_ids]
+
+    def check_fits(self, num_pages: int) -> None:
+        if self.block_ids and max(self.block_ids) >= num_pages:
+            raise InvalidRequestError(
+                f"block id {max(self.block_ids)} is outside the engine's {num_pages} pages"
+            )
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple[object, ...]:
+    """What makes two tensors the same pages: memory, shape, strides, dtype, device."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
+class PagedLayer:
+    """One layer's pages, viewed and checked once (when the engine registers its caches),
+    then copied to and from for every request and every step without re-deriving the view.
+
+    Raises :class:`InvalidRequestError` for pages that do not match the layout: a wrong copy
+    would be wrong data.
+    """
+
+    def __init__(self, kv_layer: torch.Tensor, layout: KVLayout) -> None:
+        if not isinstance(kv_layer, torch.Tensor):
+            raise InvalidRequestError(
+                f"the engine's KV cache must be a torch.Tensor, got {type(kv_layer).__name__}"
+            )
+        pages = typed_view(kv_layer, layout)
+        check_page_shape(pages, layout, pages.shape[2])
+        self.key = _tensor_key(kv_layer)
+        self.layout = layout
+        self.pages = pages  # [B, H, N, C]
+        self.num_pages, self.heads, self.block_tokens, self.cell = pages.shape
+        # The page tensors a layer's parts go to: MLA's one tensor to the pages, MHA's k and v
+        # to their halves of each cell ([B, H, N, D] views of [B, H, N, 2, D]).
+        if layout.kind == "mla":
+            self._parts = [pages]
+        else:
+            cells = pages.view(*pages.shape[:3], 2, layout.head_dim)
+            self._parts = [cells[..., 0, :], cells[..., 1, :]]
+        #: The pages as ``[pages * N, C]`` token rows, when a token's row lies in them as
+        #: tenantkv stores it (MLA pages, contiguous): a load can then decrypt straight into
+        #: the pages (``Namespace.load(out=, block_rows=)``), with no layer tensor between.
+        #: MHA pages keep each head's tokens together, so a token's row is not contiguous.
+        self.rows: torch.Tensor | None = None
+        if layout.kind == "mla" and pages.is_contiguous():
+            self.rows = pages.view(self.num_pages * self.block_tokens, self.cell)
+
+    def same_pages(self, kv_layer: Any) -> bool:
+        """Whether ``kv_layer`` is the memory this view was built over (a step may hand the
+        registered pages again, or another view of them)."""
+        return isinstance(kv_layer, torch.Tensor) and _tensor_key(kv_layer) == self.key
+
+    def check_blocks(self, blocks: RequestBlocks) -> None:
+        """Refuse a request whose pages lie outside these (InvalidRequestError)."""
+        blocks.check_fits(self.num_pages)
+
+    def _as_blocks(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+        """``[T, H, C]`` rows as ``[count, H, N, C]`` (the pages' axis order; a view)."""
+        return rows.view(count, self.block_tokens, *rows.shape[1:]).transpose(1, 2)
+
+    def write(self, blocks: RequestBlocks, layer: Layer) -> None:
+        """Write a loaded layer's rows into the request's pages (block ``i`` of the layer goes
+        to page ``block_ids[i]``); every other page is left untouched."""
+        blocks.check_fits(self.num_pages)
+        count = len(blocks)
+        _check_layer(layer, self.layout, self.pages.dtype, count * self.block_tokens)
+        sources = [layer.unsqueeze(1)] if isinstance(layer, torch.Tensor) else list(layer)
+        for pages, rows in zip(self._parts, sources, strict=True):
+            paged = self._as_blocks(rows.to(pages.device), count)
+            if blocks.sliced:
+                for first, length, at in blocks.runs:
+                    pages[first : first + length].copy_(paged[at : at + length])
+            else:
+                pages.index_copy_(0, blocks.index(pages.device), paged)
+
+    def read(self, blocks: RequestBlocks) -> Layer:
+        """The rows of the request's pages (in order) as one tenantkv layer on the CPU, each
+        part contiguous, copied once."""
+        blocks.check_fits(self.num_pages)
+        count = len(blocks)
+        rows, dtype = count * self.block_tokens, self.pages.dtype
+        if self.layout.kind == "mla":
+            latent = torch.empty(rows, self.cell, dtype=dtype)
+            outs: list[torch.Tensor] = [latent.unsqueeze(1)]
+            result: Layer = latent
+        else:
+            shape = (rows, self.heads, self.layout.head_dim)
+            k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            outs, result = [k, v], (k, v)
+        for pages, out in zip(self._parts, outs, strict=True):
+            paged = self._as_blocks(out, count)
+            if blocks.sliced:
+                for first, length, at in blocks.runs:
+                    paged[at : at + length].copy_(pages[first : first + length])
+            else:
+                paged.copy_(pages.index_select(0, blocks.index(pages.device)))
+        return result
+
+
 def gather_layer(kv_layer: torch.Tensor, block_ids: Sequence[int], layout: KVLayout) -> Layer:
-    """The rows of ``block_ids`` (in order) as one tenantkv layer, copied to the CPU."""
-    pages = typed_view(kv_layer, layout)
-    check_page_shape(pages, layout, pages.shape[2])
-    picked = pages.index_select(0, _blocks(block_ids, pages.device))  # [b, H, N, C]
-    rows = picked.permute(0, 2, 1, 3).reshape(-1, picked.shape[1], picked.shape[3])  # [T, H, C]
-    rows = rows.to("cpu")
-    if layout.kind == "mla":
-        return rows[:, 0, :].contiguous()
-    d = layout.head_dim
-    return rows[..., :d].contiguous(), rows[..., d:].contiguous()
+    """The rows of ``block_ids`` (in order) as one tenantkv layer, copied to the CPU.
+
+    One-off form of :meth:`PagedLayer.read`; the vLLM connector keeps its views and blocks."""
+    return PagedLayer(kv_layer, layout).read(RequestBlocks(block_ids))
 
 
 def scatter_layer(
     kv_layer: torch.Tensor, block_ids: Sequence[int], layer: Layer, layout: KVLayout
 ) -> None:
     """Write a loaded layer's rows into the pages ``block_ids`` (block ``i`` of the layer goes
-    to page ``block_ids[i]``); every other page is left untouched."""
-    pages = typed_view(kv_layer, layout)
-    check_page_shape(pages, layout, pages.shape[2])
-    blocks, heads, tokens, cell = len(block_ids), pages.shape[1], pages.shape[2], pages.shape[3]
-    _check_layer(layer, layout, pages.dtype, blocks * tokens)
-    if isinstance(layer, torch.Tensor):
-        rows = layer.reshape(-1, 1, cell)
-    else:
-        rows = torch.cat((layer[0], layer[1]), dim=-1)
-    paged = rows.reshape(blocks, tokens, heads, cell).permute(0, 2, 1, 3)
-    pages.index_copy_(0, _blocks(block_ids, pages.device), paged.to(pages.device))
+    to page ``block_ids[i]``); every other page is left untouched.
+
+    One-off form of :meth:`PagedLayer.write`; the vLLM connector keeps its views and blocks."""
+    PagedLayer(kv_layer, layout).write(RequestBlocks(block_ids), layer)

@@ -32,12 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...errors import TenantNotFoundError
 from ...layout import KVLayout
 from ..engine_identity import ENGINE_FAILURES, EngineNamespaces
-from ..paged_kv import gather_layer
+from ..paged_kv import PagedLayer, RequestBlocks
 from .metadata import SaveSpec
 
 logger = logging.getLogger("tenantkv")
@@ -50,11 +48,13 @@ DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class SaveJob:
-    """One request's save: its spec, each layer's page tensor (the memory vLLM keeps), the
+    """One request's save: its spec, each layer's pages (the memory vLLM keeps, viewed and
+    checked once), the request's new blocks in them (worked out once for every layer), the
     bytes it covers, and on a GPU the event after which the step's writes are visible."""
 
     spec: SaveSpec
-    pages: Sequence[torch.Tensor]
+    pages: Sequence[PagedLayer]
+    blocks: RequestBlocks
     nbytes: int
     ready: Any = None  # torch.cuda.Event on a GPU, None on the CPU
 
@@ -172,8 +172,7 @@ class BackgroundSaves:
             raise TenantNotFoundError(f"no namespace for {spec.owner} (deleted or revoked)")
         if job.ready is not None:
             job.ready.synchronize()
-        blocks = spec.block_ids[spec.start_block :]
-        layers = [gather_layer(pages, blocks, self._layout) for pages in job.pages]
+        layers = [pages.read(job.blocks) for pages in job.pages]
         namespace.store(
             list(spec.token_ids), layers, start=spec.start_block * self._engine.block_tokens
         )

@@ -14,6 +14,17 @@ layer, and saves computed prompts from it.
   and ``get_finished`` (finished sending), a preempted one's through ``handle_preemptions``,
   which waits for its save before the next step may overwrite them. The queue is bounded in
   bytes (back-pressure on the step).
+* **The engine's layout, read once**: ``register_kv_caches`` views and checks each layer's
+  pages once (:class:`~tenantkv.integrations.paged_kv.PagedLayer`; pages that do not match the
+  layout are refused there, with InvalidRequestError); a step that hands other page tensors
+  has them checked once at ``start_load_kv``. Each request's pages are worked out once
+  (:class:`~tenantkv.integrations.paged_kv.RequestBlocks`: runs of consecutive pages, or one
+  index tensor) when its load starts or its save is queued, and reused by every layer.
+* **Straight into the pages**: where a token's row lies in the pages as tenantkv stores it
+  (MLA: ``[blocks, tokens, latent]``) and the load fills all of its blocks, the pages are the
+  load's ``out=`` buffers (``block_rows``: each block's first row): the load decrypts into them
+  in the background, with no layer tensor and no copy; ``wait_for_layer_load`` only waits.
+  Otherwise (MHA pages keep each head's tokens together) each layer is copied once.
 * **Failures**: a load that finds its prefix gone, a segment that fails to open (a security
   event, the extent dropped), a revoked key or an I/O error: the request's loaded pages are
   reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
@@ -33,10 +44,10 @@ from typing import Any
 import torch
 
 from ...datapath.loader import LoadStream
-from ...errors import TenantKVError
+from ...errors import InvalidRequestError, TenantKVError
 from ...layout import KVLayout, Layer
 from ..engine_identity import EngineNamespaces
-from ..paged_kv import scatter_layer
+from ..paged_kv import PagedLayer, RequestBlocks
 from .metadata import LoadSpec, TenantKVConnectorMetadata, TenantKVWorkerMetadata
 from .saves import DEFAULT_MAX_PENDING_BYTES, BackgroundSaves, SaveJob
 
@@ -47,6 +58,8 @@ logger = logging.getLogger("tenantkv")
 class _Load:
     spec: LoadSpec
     stream: LoadStream | None
+    blocks: RequestBlocks  # the pages blocks first_block.. go to, worked out once
+    direct: bool  # the stream writes the pages itself (no copy here)
     written: int = 0  # layers written into the pages
 
 
@@ -80,8 +93,12 @@ class WorkerSide:
     ) -> None:
         self._engine = engine
         self._layout: KVLayout = engine.layout
+        self._layer_names = list(layer_names)
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
-        self._kv_caches: dict[str, torch.Tensor] = {}
+        #: each layer's pages, viewed and checked once (register_kv_caches, or a step's own)
+        self._paged: dict[str, PagedLayer] = {}
+        #: layers whose step handed pages that do not match the layout (their loads fail)
+        self._refused: dict[str, InvalidRequestError] = {}
         self._loads: list[_Load] = []
         self._save_pages: list[torch.Tensor | None] = [None] * len(layer_names)
         self.saves = BackgroundSaves(engine, engine.layout, max_bytes=max_pending_save_bytes)
@@ -93,16 +110,76 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_caches = dict(kv_caches)
+        """View and check every attention layer's pages once. Pages that do not match the
+        layout raise InvalidRequestError here, at startup, rather than fail every load."""
+        self._paged = {
+            name: PagedLayer(pages, self._layout)
+            for name, pages in kv_caches.items()
+            if name in self._layer_index
+        }
+        self._refused.clear()
+
+    def _use_pages(self, caches: dict[str, Any]) -> None:
+        """A step's own page tensors: the registered views are kept where they are the same
+        memory (the usual case); other tensors are viewed and checked once, here. A layer whose
+        pages are refused has its loads fail (reported, recomputed), not the step."""
+        for name, pages in caches.items():
+            if name not in self._layer_index:
+                continue
+            known = self._paged.get(name)
+            if known is not None and known.same_pages(pages):
+                continue
+            try:
+                self._paged[name] = PagedLayer(pages, self._layout)
+                self._refused.pop(name, None)
+            except InvalidRequestError as err:
+                self._paged.pop(name, None)
+                self._refused[name] = err
+
+    def _pages_of(self, layer_name: str) -> PagedLayer:
+        paged = self._paged.get(layer_name)
+        if paged is None:
+            raise self._refused.get(layer_name) or InvalidRequestError(
+                f"the engine registered no KV cache for layer {layer_name}"
+            )
+        return paged
 
     # ---- loads --------------------------------------------------------------------------------
 
-    def _open(self, spec: LoadSpec) -> LoadStream | None:
+    def _direct_target(
+        self, spec: LoadSpec, blocks: RequestBlocks
+    ) -> tuple[list[torch.Tensor], list[int]] | None:
+        """Every layer's pages as token rows and the request's blocks' first rows in them,
+        when the load can decrypt straight into the pages: every layer's rows lie there as
+        stored (``PagedLayer.rows``), on one device, in blocks of the namespace's size, and
+        the load fills all of its blocks (blocks the engine already has are not rewritten:
+        they may be shared with other requests)."""
+        if spec.first_block:
+            return None
+        tokens = self._engine.block_tokens
+        buffers: list[torch.Tensor] = []
+        for name in self._layer_names:
+            paged = self._paged.get(name)
+            if paged is None or paged.rows is None or paged.block_tokens != tokens:
+                return None
+            buffers.append(paged.rows)
+        if len({buffer.device for buffer in buffers}) != 1:
+            return None
+        return buffers, blocks.first_rows(tokens)
+
+    def _open(
+        self,
+        spec: LoadSpec,
+        direct: tuple[list[torch.Tensor], list[int]] | None = None,
+    ) -> LoadStream | None:
         namespace = self._engine.namespace(spec.owner)
         if namespace is None:
             self._failures.add(spec, LookupError(f"no namespace for {spec.owner}"))
             return None
         try:
+            if direct is not None:
+                out, rows = direct
+                return namespace.load(list(spec.token_ids), out[0].device, out=out, block_rows=rows)
             return namespace.load(list(spec.token_ids))
         except TenantKVError as err:
             self._failures.add(spec, err)
@@ -112,12 +189,20 @@ class WorkerSide:
         self, meta: TenantKVConnectorMetadata, forward_caches: dict[str, Any]
     ) -> None:
         """Start this step's loads; ``forward_caches`` maps layer names to their page views."""
-        self._kv_caches.update(forward_caches)
+        self._use_pages(forward_caches)
         for spec in meta.loads:
             if spec.asynchronous:
                 self._async_pool.submit(self._load_whole, spec)
-            else:
-                self._loads.append(_Load(spec, self._open(spec)))
+                continue
+            try:
+                blocks = RequestBlocks(spec.block_ids[spec.first_block :])
+                for name in self._layer_names:
+                    self._pages_of(name).check_blocks(blocks)
+            except InvalidRequestError as err:
+                self._failures.add(spec, err)
+                continue
+            direct = self._direct_target(spec, blocks)
+            self._loads.append(_Load(spec, self._open(spec, direct), blocks, direct is not None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -128,7 +213,8 @@ class WorkerSide:
                 continue
             try:
                 layer = load.stream.wait_for_layer(index)
-                self._write(load.spec, layer_name, layer)
+                if not load.direct:  # else the stream wrote the layer into the pages
+                    self._write(load.spec, load.blocks, layer_name, layer)
                 load.written += 1
             except (TenantKVError, RuntimeError) as err:
                 self._failures.add(load.spec, err)
@@ -137,25 +223,29 @@ class WorkerSide:
         if index == len(self._layer_index) - 1:
             self._close_loads()
 
-    def _write(self, spec: LoadSpec, layer_name: str, layer: Layer) -> None:
+    def _write(self, spec: LoadSpec, blocks: RequestBlocks, layer_name: str, layer: Layer) -> None:
         first, tokens = spec.first_block, self._engine.block_tokens
-        if first:
+        if first:  # the engine has the first blocks: their rows are skipped (views, no copy)
             layer = (
                 layer[first * tokens :]
                 if isinstance(layer, torch.Tensor)
                 else (layer[0][first * tokens :], layer[1][first * tokens :])
             )
-        scatter_layer(self._kv_caches[layer_name], spec.block_ids[first:], layer, self._layout)
+        self._pages_of(layer_name).write(blocks, layer)
 
     def _load_whole(self, spec: LoadSpec) -> None:
         """Background: every layer of an async load into its pages, then report it finished."""
         try:
-            stream = self._open(spec)
+            blocks = RequestBlocks(spec.block_ids[spec.first_block :])
+            for name in self._layer_names:
+                self._pages_of(name).check_blocks(blocks)
+            direct = self._direct_target(spec, blocks)
+            stream = self._open(spec, direct)
             if stream is not None:
                 with stream:
                     for index, layer in stream:
-                        name = next(n for n, i in self._layer_index.items() if i == index)
-                        self._write(spec, name, layer)
+                        if direct is None:  # else the stream wrote the layer into the pages
+                            self._write(spec, blocks, self._layer_names[index], layer)
         except (TenantKVError, RuntimeError, KeyError) as err:
             self._failures.add(spec, err)
         finally:
@@ -195,6 +285,8 @@ class WorkerSide:
         index = self._layer_index.get(layer_name)
         if index is not None and meta.saves:
             self._save_pages[index] = kv_layer
+            # Pages other than the registered ones (a step's own view): checked once, here.
+            self._use_pages({layer_name: kv_layer})
 
     def wait_for_save(self, meta: TenantKVConnectorMetadata | None) -> None:
         """Queue this step's saves (waiting only while the queue is over its byte bound)."""
@@ -206,18 +298,29 @@ class WorkerSide:
         if any(p is not None and p.is_cuda for p in pages):
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()  # the step's writes to the pages come before the gather
+        paged: list[PagedLayer] = []
+        refused: BaseException | None = None
+        if any(p is None for p in pages):
+            refused = RuntimeError("the model skipped save_kv_layer for a layer")
+        else:
+            try:
+                paged = [self._pages_of(name) for name in self._layer_names]
+            except InvalidRequestError as err:
+                refused = err
         for spec in meta.saves:
             self._with_saves.add(spec.request_id)  # request_finished holds its pages
-            if any(p is None for p in pages):
-                self._engine.failed(
-                    "save",
-                    RuntimeError("the model skipped save_kv_layer for a layer"),
-                    request_id=spec.request_id,
-                )
+            try:
+                if refused is not None:
+                    raise refused
+                blocks = RequestBlocks(spec.block_ids[spec.start_block :])
+                for layer in paged:  # refused here: nothing queued, no pages held for it
+                    layer.check_blocks(blocks)
+            except (InvalidRequestError, RuntimeError) as err:
+                self._engine.failed("save", err, request_id=spec.request_id)
                 continue
-            blocks = len(spec.block_ids) - spec.start_block
-            nbytes = blocks * self._engine.block_tokens * self._layout.token_bytes * len(pages)
-            self.saves.submit(SaveJob(spec, [p for p in pages if p is not None], nbytes, ready))
+            count = len(blocks)
+            nbytes = count * self._engine.block_tokens * self._layout.token_bytes * len(paged)
+            self.saves.submit(SaveJob(spec, paged, blocks, nbytes, ready))
 
     def handle_preemptions(self, meta: TenantKVConnectorMetadata) -> None:
         """Before the step that may overwrite a preempted request's freed pages: finish its
