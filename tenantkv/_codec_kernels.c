@@ -783,6 +783,62 @@ static PyObject *int4_encode(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether every value of a buffer of one kind is finite: a scan of the bits (a value is not
+ * finite when its exponent is all ones) at memory speed, where torch's isfinite().all() on
+ * bfloat16 took six times as long as an fp8 encode of the layer (docs/perf.md). */
+static PyObject *all_finite(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *values;
+    long long kind;
+    if (!PyArg_ParseTuple(args, "OL", &values, &kind)) {
+        return NULL;
+    }
+    if (kind != OUT_BF16 && kind != OUT_F16 && kind != OUT_F32) {
+        PyErr_SetString(PyExc_ValueError, "unknown input kind");
+        return NULL;
+    }
+    Py_buffer buffer;
+    if (PyObject_GetBuffer(values, &buffer, PyBUF_SIMPLE) != 0) {
+        return NULL;
+    }
+    long long itemsize = kind == OUT_F32 ? 4 : 2;
+    if (buffer.len % itemsize != 0) {
+        PyBuffer_Release(&buffer);
+        PyErr_SetString(PyExc_ValueError, "the buffer is not a whole number of values");
+        return NULL;
+    }
+    long long count = buffer.len / itemsize;
+    const uint8_t *in = (const uint8_t *)buffer.buf;
+    int finite = 1;
+    Py_BEGIN_ALLOW_THREADS;
+    /* In chunks, so that a non-finite value ends the scan early without a branch per value. */
+    for (long long start = 0; start < count && finite; start += 4096) {
+        long long end = count - start < 4096 ? count : start + 4096;
+        if (kind == OUT_F32) {
+            uint32_t top = 0;
+            for (long long i = start; i < end; i++) {
+                uint32_t bits;
+                memcpy(&bits, in + 4 * i, 4);
+                bits &= 0x7F800000u;
+                top = bits > top ? bits : top;
+            }
+            finite = top != 0x7F800000u;
+        } else {
+            uint16_t mask = kind == OUT_BF16 ? 0x7F80u : 0x7C00u, top = 0;
+            for (long long i = start; i < end; i++) {
+                uint16_t bits;
+                memcpy(&bits, in + 2 * i, 2);
+                bits &= mask;
+                top = bits > top ? bits : top;
+            }
+            finite = top != mask;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&buffer);
+    return PyBool_FromLong(finite);
+}
+
 static PyMethodDef methods[] = {
     {"fp8_scaled", fp8_scaled, METH_VARARGS,
      "fp8_scaled(codes, codes_offset, codes_stride, dst, dst_offset, dst_stride, row_starts,\n"
@@ -798,6 +854,9 @@ static PyMethodDef methods[] = {
      "then tokens*width/group bfloat16 scales) rotated back by the Walsh-Hadamard matrix of\n"
      "group (entries +-coefficient) and written as kind (0 bfloat16, 1 float16, 2 float32)\n"
      "to rows row_starts[s].. of dst as fp8_scaled does."},
+    {"all_finite", all_finite, METH_VARARGS,
+     "all_finite(values, kind) -> bool\n\n"
+     "Whether every value of the buffer (kind 0 bfloat16, 1 float16, 2 float32) is finite."},
     {"fp8_encode", fp8_encode, METH_VARARGS,
      "fp8_encode(values, kind, values_offset, row_stride, segments, tokens, width, out,\n"
      "           out_offset, out_stride) -> None\n\n"

@@ -652,8 +652,14 @@ class Int4Codec(_PartCodec):
 
 
 def check_finite(codec_name: str, values: torch.Tensor) -> None:
-    """InvalidRequestError when ``values`` (bound for a lossy codec) hold a NaN or infinity."""
-    if not bool(torch.isfinite(values).all()):
+    """InvalidRequestError when ``values`` (bound for a lossy codec) hold a NaN or infinity. On
+    the CPU by the C scan of the values' bits where it was built: torch's ``isfinite().all()``
+    on an 8K-token DeepSeek-V3 bfloat16 layer took 6 ms, a third of a coded store."""
+    if kernels is not None and values.device.type == "cpu" and values.dtype in _KERNEL_KINDS:
+        finite = kernels.all_finite(_bytes_of(values.contiguous()), _KERNEL_KINDS[values.dtype])
+    else:
+        finite = bool(torch.isfinite(values).all())
+    if not finite:
         raise InvalidRequestError(
             f"codec {codec_name!r} stores finite values only (e4m3 and 4-bit codes have no "
             "infinity or NaN); the layers hold a non-finite value"

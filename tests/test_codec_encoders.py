@@ -261,3 +261,36 @@ def test_the_c_encoders_refuse_bad_arguments_and_write_nothing() -> None:
         assert bytes(int4_out) == b"\x11" * 32
     with pytest.raises(BufferError):  # a read-only output
         kernels.fp8_encode(values, 2, 0, 32, 1, 4, 8, bytes(36), 0, 36)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_c_finite_scan_agrees_with_torch(dtype: torch.dtype) -> None:
+    """The one non-finite check of a store (check_finite, by the C scan on the CPU): every
+    16-bit pattern alone, and a NaN or infinity at any place of a long buffer (the scan goes in
+    chunks), give torch's isfinite().all()."""
+    kernels = codecs_module.kernels
+    assert kernels is not None
+    kind = codecs_module._KERNEL_KINDS[dtype]
+    if dtype != torch.float32:
+        patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+        got = [kernels.all_finite(codecs_module._bytes_of(p.reshape(1)), kind) for p in patterns]
+        assert got == patterns.isfinite().tolist()
+    else:
+        edges = torch.tensor([3.4e38, -3.4e38, 1e-45, -0.0]).view(torch.int32)
+        more = torch.tensor([0x7F800000, -8388608, 0x7FC00000, 0x7F800001], dtype=torch.int32)
+        bits = torch.cat((edges, more))  # +inf, -inf, NaN, a signalling NaN
+        got = [kernels.all_finite(codecs_module._bytes_of(b.reshape(1)), kind) for b in bits]
+        assert got == bits.view(torch.float32).isfinite().tolist()
+    values = torch.randn(10_000).to(dtype)
+    assert kernels.all_finite(codecs_module._bytes_of(values), kind)
+    for place in (0, 4095, 4096, 8191, 9_999):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            poisoned = values.clone()
+            poisoned[place] = bad
+            assert not kernels.all_finite(codecs_module._bytes_of(poisoned), kind)
+    assert kernels.all_finite(b"", kind)
+    with pytest.raises(ValueError):
+        kernels.all_finite(b"\x00\x00\x00", kind if kind == 2 else 0)  # not whole values
+    with pytest.raises(ValueError):
+        kernels.all_finite(b"", 3)
