@@ -28,9 +28,10 @@ kind's order, each one after the other, all integers little-endian as torch stor
 
 Encoding and decoding on a GPU are torch operations on the tensors' own device, so a GPU decodes
 after the host-to-device copy and the link carries the codes. On the CPU a store encodes by the C
-encoders of ``_codec_kernels.c`` where the install built them (each code written once; torch's
-float32 -> e4m3 conversion is a scalar loop and its encoder made several float32 passes), which
-store exactly the torch encoder's bytes (tests/test_codec_encoders.py); int4's rotation stays
+encoders of ``_codec_kernels.c`` where the install built them (each code written once, on one
+thread, where the torch encoders made several float32 passes on torch's thread pool, which slowed
+many times over when other work held the cores; docs/perf.md), which store exactly the torch
+encoders' bytes (tests/test_codec_encoders.py); int4's rotation stays
 torch's matrix product, whose rounding C does not reproduce. A store checks for non-finite
 values once, in the layout's checks (``KVLayout.layer_rows``). A load decodes straight
 into its destination rows (:meth:`Codec.decode_into`): on the CPU by the one-pass C decoders of
@@ -200,8 +201,8 @@ class _Part(abc.ABC):
         """Encode this component of ``rows`` (``[n * B, values_per_token]``, contiguous, of the
         layout's dtype) into bytes ``offset .. offset + nbytes`` of each row of ``out`` (``[n,
         segment_bytes]`` uint8). The C encoder where it applies: it writes each code once, where
-        the torch path makes several float32 passes and converts to e4m3 by a scalar loop; the
-        bytes are the same (tests/test_codec_kernels.py)."""
+        the torch path makes several float32 passes; the bytes are the same
+        (tests/test_codec_encoders.py)."""
         c = self.component
         n = out.shape[0]
         if _encodes_by_kernel(rows, out) and self._encode_kernel(rows, out, offset):
