@@ -30,6 +30,11 @@ Decode: one layer of the first ``--tokens`` size decoded by the decoder before t
 (torch into a fresh tensor, then copied into the destination), today's torch path and the C
 decoders (straight into the destination), ms min / median / max, rotated order, each checked.
 
+Store encoders (``--store-ab``): each lossy codec stores a fresh prefix of the first ``--tokens``
+size, ``--reps`` rounds, once by the CPU's C encoders and once by the torch encoders (what CUDA
+tensors and installs without a C compiler run, and every CPU store before the C encoders), which
+goes first alternating by round, with ``none`` in each round as the baseline; the stored bytes
+of the two are checked equal. Store tokens/s min / median / max, and the ratio of medians.
 Bytes: stored bytes per token per layer of each codec for DeepSeek-V3 and a Llama-3-8B-shaped
 MHA layer (8 KV heads of 128).
 
@@ -42,7 +47,7 @@ prefill. A random model is a weak judge of quality: these say the codecs work as
 what a trained model loses.
 
 Run:  .venv/bin/python bench/codecs.py [--tokens 8192,32768] [--layers 61] [--reps 5] [--no-cold]
-          [--skip-speed] [--skip-decode] [--skip-error]
+          [--skip-speed] [--skip-decode] [--skip-error] [--store-ab]
 """
 
 from __future__ import annotations
@@ -229,6 +234,55 @@ def speed(tokens: int, layers: int, reps: int, cold: bool, data_dir: Path) -> di
                     del loaded
                     results[name]["cold"].append(tokens / seconds)
                     results["cold_fetched"][name].append(fetched / stored[name])
+    return results
+
+
+@contextlib.contextmanager
+def _torch_encoders(on: bool) -> Iterator[None]:
+    """The torch encoders (and decoders) in place of the C ones while ``on``."""
+    kernels = codecs_module.kernels
+    if on:
+        codecs_module.kernels = None
+    try:
+        yield
+    finally:
+        codecs_module.kernels = kernels
+
+
+def store_table(tokens: int, layers: int, reps: int, data_dir: Path) -> dict[str, list[float]]:
+    """Store tokens/s of ``none`` and of each lossy codec by the C and by the torch encoders,
+    each sample a fresh prefix in the codec's namespace, which encoder goes first alternating
+    by round; the codes of the two ways are checked equal."""
+    layout = deepseek_layout(layers)
+    results: dict[str, list[float]] = {"none": []}
+    for name in LOSSY:
+        results[f"{name} C"], results[f"{name} torch"] = [], []
+    with (
+        tempfile.TemporaryDirectory(dir=data_dir) as tmp,
+        open_cache(Path(tmp) / "kv", recent_writes_bytes=0) as kv,
+    ):
+        kv.create_tenant("acme", quota_bytes=64 << 30)
+        spaces = {c: kv.namespace("acme", model="m", layout=layout, codec=c) for c in CODECS}
+        seed = 100
+        for rep in range(reps):
+            ways = ("C", "torch") if rep % 2 == 0 else ("torch", "C")
+            for name in CODECS:
+                values = random_layers(layout, tokens, 7)
+                for way in ways if name != "none" else ("C",):
+                    seed += 1
+                    prompt = torch_tokens(tokens, seed)
+                    with _torch_encoders(way == "torch"):
+                        started = time.perf_counter()
+                        assert spaces[name].store(prompt, values) == tokens
+                        elapsed = time.perf_counter() - started
+                    results["none" if name == "none" else f"{name} {way}"].append(tokens / elapsed)
+                if name != "none":
+                    coded = spaces[name].layout
+                    rows = values[0].view(tokens, -1)[: 64 * 4]
+                    with _torch_encoders(True):
+                        want = coded.coder.encode(coded, rows, 64)
+                    assert torch.equal(coded.coder.encode(coded, rows, 64), want), name
+                del values
     return results
 
 
@@ -500,6 +554,9 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-decode", action="store_true", help="skip the decoder timings")
     parser.add_argument("--skip-error", action="store_true")
+    parser.add_argument(
+        "--store-ab", action="store_true", help="store tokens/s by the C and torch encoders"
+    )
     args = parser.parse_args()
     machine = print_machine(args.dir)
     print(f"load before: {_uptime()}")
@@ -517,6 +574,23 @@ def main() -> None:
             for way, samples in ways.items():
                 rows.append((f"{name} {way}", samples, f"{first / _median(samples):5.2f}x"))
         print(format_stats_table(rows, "ms", label="decoder", note_header="speed-up"))
+        print(f"(load after: {_uptime()})")
+    if args.store_ab:
+        tokens = args.tokens[0]
+        print(
+            f"\nstoring {tokens_label(tokens)} tokens x {args.layers} layers by the C and the "
+            f"torch encoders, {args.reps} rounds (load before: {_uptime()})"
+        )
+        data["store_ab"] = ab = store_table(tokens, args.layers, args.reps, args.dir)
+        base = _median(ab["none"])
+        rows = []
+        for way, samples in ab.items():
+            note = f"{_median(samples) / base:5.2f}x none"
+            if way.endswith(" C"):
+                torch_way = ab[way.replace(" C", " torch")]
+                note += f", {_median(samples) / _median(torch_way):5.2f}x torch"
+            rows.append((f"store {way}", [v / 1e3 for v in samples], note))
+        print(format_stats_table(rows, "Ktok/s", label="codec", note_header="median"))
         print(f"(load after: {_uptime()})")
     speeds: dict[int, Any] = {}
     if not args.skip_speed:

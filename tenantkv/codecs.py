@@ -26,8 +26,14 @@ kind's order, each one after the other, all integers little-endian as torch stor
                                  nibble, code = round(x/scale) + 8 in 1..15)
                                  | B*(W/G)*2 bytes bfloat16 scales (token-major, G = group size)
 
-Encoding, and decoding on a GPU, are torch operations on the tensors' own device, so a GPU
-decodes after the host-to-device copy and the link carries the codes. A load decodes straight
+Encoding and decoding on a GPU are torch operations on the tensors' own device, so a GPU decodes
+after the host-to-device copy and the link carries the codes. On the CPU a store encodes by the C
+encoders of ``_codec_kernels.c`` where the install built them (each code written once, on one
+thread, where the torch encoders made several float32 passes on torch's thread pool, which slowed
+many times over when other work held the cores; docs/perf.md), which store exactly the torch
+encoders' bytes (tests/test_codec_encoders.py); int4's rotation stays
+torch's matrix product, whose rounding C does not reproduce. A store checks for non-finite
+values once, in the layout's checks (``KVLayout.layer_rows``). A load decodes straight
 into its destination rows (:meth:`Codec.decode_into`): on the CPU by the one-pass C decoders of
 ``_codec_kernels.c``, where the install built them, which write each value once (the torch path
 took 5 to 10 times as long, docs/perf.md "Latent codecs"); fp8 gives the torch path's values bit
@@ -50,8 +56,8 @@ from .errors import InvalidRequestError
 
 
 def _built_kernels() -> types.ModuleType | None:
-    """The one-pass CPU decoders, where the install built them (setup.py: wherever a C compiler
-    is at hand); None, and the torch path, elsewhere."""
+    """The one-pass CPU decoders and encoders, where the install built them (setup.py: wherever
+    a C compiler is at hand); None, and the torch path, elsewhere."""
     try:
         from . import _codec_kernels
     except ImportError:  # pragma: no cover - only an install without a C compiler
@@ -139,6 +145,23 @@ def _uses_kernels(codes: torch.Tensor, destination: Destination) -> bool:
     )
 
 
+def _encodes_by_kernel(rows: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the C encoders can take this encode: CPU tensors of a dtype they read."""
+    return (
+        kernels is not None
+        and rows.device.type == "cpu"
+        and out.device.type == "cpu"
+        and rows.dtype in _KERNEL_KINDS
+    )
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, as the C coders take it (writable: no copy)."""
+    if not tensor.is_contiguous():
+        raise ValueError("the C coders take contiguous tensors")
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
 def _kernel_buffers(
     codes: torch.Tensor, destination: Destination, row_starts: Sequence[int]
 ) -> tuple[memoryview, memoryview, int, int, array.array[int]]:
@@ -173,6 +196,25 @@ class _Part(abc.ABC):
 
     @abc.abstractmethod
     def encode(self, values: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_into(self, rows: torch.Tensor, out: torch.Tensor, offset: int) -> None:
+        """Encode this component of ``rows`` (``[n * B, values_per_token]``, contiguous, of the
+        layout's dtype) into bytes ``offset .. offset + nbytes`` of each row of ``out`` (``[n,
+        segment_bytes]`` uint8). The C encoder where it applies: it writes each code once, where
+        the torch path makes several float32 passes; the bytes are the same
+        (tests/test_codec_encoders.py)."""
+        c = self.component
+        n = out.shape[0]
+        if _encodes_by_kernel(rows, out) and self._encode_kernel(rows, out, offset):
+            return
+        blocks = rows.view(n, self.block_tokens, rows.shape[1])
+        values = blocks[:, :, c.start : c.start + c.width].float()
+        out[:, offset : offset + self.nbytes] = self.encode(values)
+
+    @abc.abstractmethod
+    def _encode_kernel(self, rows: torch.Tensor, out: torch.Tensor, offset: int) -> bool:
+        """:meth:`encode_into` by the C encoder (CPU tensors only); False, having written
+        nothing, where it leaves the values to the torch path."""
 
     @abc.abstractmethod
     def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
@@ -229,6 +271,23 @@ class _Fp8Part(_Part):
         scaled = (values / scale[:, None, None]).clamp_(-FP8_MAX, FP8_MAX)
         codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, -1)
         return torch.cat((codes, scale.to(torch.float32).view(torch.uint8).view(n, 4)), dim=1)
+
+    def _encode_kernel(self, rows: torch.Tensor, out: torch.Tensor, offset: int) -> bool:
+        assert kernels is not None
+        itemsize = rows.dtype.itemsize
+        kernels.fp8_encode(
+            _bytes_of(rows),
+            _KERNEL_KINDS[rows.dtype],
+            self.component.start * itemsize,
+            rows.shape[1] * itemsize,
+            out.shape[0],
+            self.block_tokens,
+            self.component.width,
+            _bytes_of(out),
+            offset,
+            out.shape[1],
+        )
+        return True
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]
@@ -325,6 +384,33 @@ class _Int4Part(_Part):
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return torch.cat((packed.reshape(n, -1), scale.view(torch.uint8).reshape(n, -1)), dim=1)
 
+    def _encode_kernel(self, rows: torch.Tensor, out: torch.Tensor, offset: int) -> bool:
+        # The rotation stays torch's float32 matrix product: its sums' rounding (the order and
+        # fusing of the library's kernel) is not one C can reproduce bit for bit, and the stored
+        # bytes must not change. The C encoder takes over from the rotated values: scales,
+        # rounding and packing, which were six float32 passes.
+        c = self.component
+        n = out.shape[0]
+        blocks = rows.view(n, self.block_tokens, rows.shape[1])
+        rotated = self._rotate(blocks[:, :, c.start : c.start + c.width].float()).contiguous()
+        assert kernels is not None
+        try:
+            kernels.int4_encode(
+                _bytes_of(rotated),
+                n,
+                self.block_tokens,
+                c.width,
+                self.group,
+                0,
+                _bytes_of(out),
+                offset,
+                out.shape[1],
+            )
+        except ValueError:
+            # A rotation of finite values that overflowed float32: the torch path's bytes.
+            return False
+        return True
+
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]
         tokens, width = self.block_tokens, self.component.width
@@ -395,9 +481,18 @@ class Codec(abc.ABC):
         """Stored bytes of one (block, layer) segment."""
 
     @abc.abstractmethod
-    def encode(self, layout: CodedLayout, values: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    def encode(
+        self,
+        layout: CodedLayout,
+        values: torch.Tensor,
+        block_tokens: int,
+        *,
+        checked: bool = False,
+    ) -> torch.Tensor:
         """``[n * block_tokens, values_per_token]`` values of ``layout.dtype`` as ``[n,
-        segment_bytes]`` uint8 (on the values' device)."""
+        segment_bytes]`` uint8 (on the values' device). ``checked``: the caller has already
+        refused non-finite values (a store's layout checks, ``KVLayout.layer_rows``), so a lossy
+        codec does not scan them a second time (that scan was a quarter of a coded store)."""
 
     @abc.abstractmethod
     def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
@@ -436,7 +531,14 @@ class RawCodec(Codec):
     def segment_bytes(self, layout: CodedLayout, block_tokens: int) -> int:
         return block_tokens * layout.values_per_token * layout.dtype.itemsize
 
-    def encode(self, layout: CodedLayout, values: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    def encode(
+        self,
+        layout: CodedLayout,
+        values: torch.Tensor,
+        block_tokens: int,
+        *,
+        checked: bool = False,
+    ) -> torch.Tensor:
         size = self.segment_bytes(layout, block_tokens)
         return values.contiguous().view(torch.uint8).view(-1, size)
 
@@ -465,15 +567,30 @@ class _PartCodec(Codec):
     def segment_bytes(self, layout: CodedLayout, block_tokens: int) -> int:
         return sum(part.nbytes for part in self._parts(layout, block_tokens))
 
-    def encode(self, layout: CodedLayout, values: torch.Tensor, block_tokens: int) -> torch.Tensor:
-        check_finite(self.name, values)
-        width = layout.values_per_token
-        blocks = values.reshape(-1, block_tokens, width)
-        pieces = []
-        for part in self._parts(layout, block_tokens):
-            c = part.component
-            pieces.append(part.encode(blocks[:, :, c.start : c.start + c.width].float()))
-        return torch.cat(pieces, dim=1)
+    def encode(
+        self,
+        layout: CodedLayout,
+        values: torch.Tensor,
+        block_tokens: int,
+        *,
+        checked: bool = False,
+    ) -> torch.Tensor:
+        if not checked:
+            check_finite(self.name, values)
+        rows = values.reshape(-1, layout.values_per_token).contiguous()
+        if rows.shape[0] % block_tokens:
+            raise ValueError("a codec encodes whole blocks")
+        parts = self._parts(layout, block_tokens)
+        out = torch.empty(
+            (rows.shape[0] // block_tokens, sum(part.nbytes for part in parts)),
+            dtype=torch.uint8,
+            device=rows.device,
+        )
+        offset = 0
+        for part in parts:
+            part.encode_into(rows, out, offset)
+            offset += part.nbytes
+        return out
 
     def decode(self, layout: CodedLayout, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
         n = codes.shape[0]
@@ -536,8 +653,14 @@ class Int4Codec(_PartCodec):
 
 
 def check_finite(codec_name: str, values: torch.Tensor) -> None:
-    """InvalidRequestError when ``values`` (bound for a lossy codec) hold a NaN or infinity."""
-    if not bool(torch.isfinite(values).all()):
+    """InvalidRequestError when ``values`` (bound for a lossy codec) hold a NaN or infinity. On
+    the CPU by the C scan of the values' bits where it was built: torch's ``isfinite().all()``
+    on an 8K-token DeepSeek-V3 bfloat16 layer took 6 ms, a third of a coded store."""
+    if kernels is not None and values.device.type == "cpu" and values.dtype in _KERNEL_KINDS:
+        finite = kernels.all_finite(_bytes_of(values.contiguous()), _KERNEL_KINDS[values.dtype])
+    else:
+        finite = bool(torch.isfinite(values).all())
+    if not finite:
         raise InvalidRequestError(
             f"codec {codec_name!r} stores finite values only (e4m3 and 4-bit codes have no "
             "infinity or NaN); the layers hold a non-finite value"

@@ -114,7 +114,8 @@ class KVLayout:
             return rows
         full = rows.shape[0] // block_tokens * block_tokens
         values = rows[:full].view(self.dtype)
-        return self.coder.encode(self, values, block_tokens)
+        # layer_rows refused non-finite values already: the one check of a store.
+        return self.coder.encode(self, values, block_tokens, checked=True)
 
     def decode_rows(self, codes: torch.Tensor, block_tokens: int) -> torch.Tensor:
         """Stored segments (``[n, segment_bytes]`` uint8, on any device) as ``[n *
