@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import TenantNotFoundError
-from ...layout import KVLayout
 from ..engine_identity import ENGINE_FAILURES, EngineNamespaces
 from ..paged_kv import PagedLayer, RequestBlocks
 from .metadata import SaveSpec
@@ -65,7 +64,6 @@ class BackgroundSaves:
     def __init__(
         self,
         engine: EngineNamespaces,
-        layout: KVLayout,
         *,
         max_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         store: Callable[[SaveJob], None] | None = None,
@@ -73,7 +71,6 @@ class BackgroundSaves:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self._engine = engine
-        self._layout = layout
         self.max_bytes = max_bytes
         self._store = store or self._store_job
         self._cond = threading.Condition()

@@ -101,7 +101,7 @@ class WorkerSide:
         self._refused: dict[str, InvalidRequestError] = {}
         self._loads: list[_Load] = []
         self._save_pages: list[torch.Tensor | None] = [None] * len(layer_names)
-        self.saves = BackgroundSaves(engine, engine.layout, max_bytes=max_pending_save_bytes)
+        self.saves = BackgroundSaves(engine, max_bytes=max_pending_save_bytes)
         self._with_saves: set[str] = set()  # requests given a save (their pages are held)
         self._finished_saving: set[str] = set()  # finished requests whose saves still run
         self._failures = _Failures()
