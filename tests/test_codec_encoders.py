@@ -10,8 +10,6 @@ float32 (which the C encoder hands back to the torch path)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,36 +19,11 @@ import tenantkv.codecs as codecs_module
 from tenantkv import KVLayout
 from tenantkv.errors import InvalidRequestError
 from tests import codec_reference as reference
+from tests.codec_cases import DTYPES, LAYOUTS, codec_path, coded  # noqa: F401 (a fixture)
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-LAYOUTS = {
-    # DeepSeek-V3's MLA row in small: a latent of 64 (int4 groups of 32), k_rot of 16
-    "mla": KVLayout.mla(num_layers=1, kv_lora_rank=64, rope_dim=16, dtype=torch.bfloat16),
-    # an odd-sized k_rot (fp8 codes any width)
-    "mla-small": KVLayout.mla(num_layers=1, kv_lora_rank=32, rope_dim=7, dtype=torch.bfloat16),
-    # MHA: groups of 32 over several heads, and smaller groups (head_dim 80: 16, 24: 8)
-    "mha-128": KVLayout.mha(num_layers=1, num_kv_heads=5, head_dim=128, dtype=torch.bfloat16),
-    "mha-80": KVLayout.mha(num_layers=1, num_kv_heads=2, head_dim=80, dtype=torch.bfloat16),
-    "mha-24": KVLayout.mha(num_layers=1, num_kv_heads=3, head_dim=24, dtype=torch.bfloat16),
-}
 needs_kernels = pytest.mark.skipif(
     codecs_module.kernels is None, reason="tenantkv was installed without a C compiler"
 )
-
-
-@pytest.fixture(params=["c", "torch"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test once through the C encoders and once through the torch path."""
-    if request.param == "c":
-        if codecs_module.kernels is None:
-            pytest.skip("tenantkv was installed without a C compiler")
-    else:
-        monkeypatch.setattr(codecs_module, "kernels", None)
-    return str(request.param)
-
-
-def _coded(name: str, kind: str, dtype: torch.dtype) -> KVLayout:
-    return dataclasses.replace(LAYOUTS[kind], dtype=dtype).with_codec(name)
 
 
 def _assert_same_bytes(layout: KVLayout, values: torch.Tensor, tokens: int) -> None:
@@ -81,7 +54,7 @@ def _heavy_tailed(rows: int, width: int, seed: int, magnitude: float) -> torch.T
 def test_encoders_store_the_bytes_they_stored_before(
     path: str, name: str, kind: str, dtype: torch.dtype
 ) -> None:
-    layout = _coded(name, kind, dtype)
+    layout = coded(name, kind, dtype)
     values = _heavy_tailed(5 * 64, layout.values_per_token, seed=7, magnitude=0.3).to(dtype)
     _assert_same_bytes(layout, values, 64)
 
@@ -100,7 +73,7 @@ def test_c_encoders_agree_with_the_reference_on_random_blocks(
     if codecs_module.kernels is None:
         pytest.skip("tenantkv was installed without a C compiler")
     for name in ("fp8", "int4"):
-        layout = _coded(name, kind, dtype)
+        layout = coded(name, kind, dtype)
         values = _heavy_tailed(3 * tokens, layout.values_per_token, seed, magnitude)
         # float16 overflows past 65504: heavy tails at large magnitudes are clipped there
         values = values.clamp(-6e4, 6e4).to(dtype)
@@ -133,7 +106,7 @@ ANCHORS = [448.0, 1.0, 3.0, 7.0, 1e-3, 0.1, 6e4, 3e38, 1e-36, 2.0**-126, 1e-40]
 def test_every_16_bit_pattern_encodes_as_before(path: str, name: str, dtype: torch.dtype) -> None:
     """All 65,536 bit patterns of the 16-bit dtypes that are finite, under each anchor's
     scale, through both coders (fp8 for k_rot under either codec)."""
-    layout = _coded(name, "mla", dtype)
+    layout = coded(name, "mla", dtype)
     patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16)
     for anchor in ANCHORS:
         if dtype == torch.float16 and not 6e-8 < anchor <= 65504:
@@ -145,7 +118,7 @@ def test_every_16_bit_pattern_encodes_as_before(path: str, name: str, dtype: tor
 def test_e4m3_rounding_boundaries_encode_as_before(path: str) -> None:
     """float32 values at each midpoint between neighbouring e4m3 values, one float32 ulp either
     side, and past 448 (the clamp), at a scale of exactly 1 and at others."""
-    layout = _coded("fp8", "mla-small", torch.float32)
+    layout = coded("fp8", "mla-small", torch.float32)
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = every.view(torch.float8_e4m3fn).float()
     grid = codes[codes.isfinite() & (codes >= 0)].sort().values
@@ -178,7 +151,7 @@ def test_zeros_and_underflowing_scales_encode_as_before(path: str) -> None:
     (and amax / 7) underflows to zero: torch's division then gives infinities and NaN codes,
     which the C encoders must reproduce too."""
     for name in ("fp8", "int4"):
-        layout = _coded(name, "mla", torch.float32)
+        layout = coded(name, "mla", torch.float32)
         width = layout.values_per_token
         for fill in (0.0, -0.0, 1e-45, 3e-45, 1e-42, 1e-39):
             values = torch.full((128, width), fill)
@@ -190,7 +163,7 @@ def test_zeros_and_underflowing_scales_encode_as_before(path: str) -> None:
 def test_an_int4_rotation_that_overflows_float32_encodes_by_the_torch_path(path: str) -> None:
     """Finite float32 values near float32's largest, whose Hadamard sums overflow to infinity:
     the C encoder leaves them to the torch path, whose bytes they keep."""
-    layout = _coded("int4", "mla", torch.float32)
+    layout = coded("int4", "mla", torch.float32)
     values = torch.full((64, layout.values_per_token), 3e38)
     values[:, 1::2] = 1.0
     values[5] = -1.0
@@ -204,7 +177,7 @@ def test_an_unchecked_encode_still_refuses_non_finite_values(
 ) -> None:
     """A store checks once (KVLayout.layer_rows) and tells the codec so; a direct encode, which
     no check preceded, still refuses a NaN or infinity with the store's error."""
-    layout = _coded(name, "mha-80", torch.bfloat16)
+    layout = coded(name, "mha-80", torch.bfloat16)
     values = torch.randn(128, layout.values_per_token).to(torch.bfloat16)
     values[100, 17] = bad
     with pytest.raises(InvalidRequestError, match="non-finite"):

@@ -26,31 +26,9 @@ from hypothesis import strategies as st
 import tenantkv.codecs as codecs_module
 from tenantkv import KVLayout
 from tests import codec_reference as reference
+from tests.codec_cases import DTYPES, LAYOUTS, codec_path, coded  # noqa: F401 (a fixture)
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-LAYOUTS = {
-    # MLA: a latent of 64 (two int4 groups of 32, the rotation block), k_rot of 16 in fp8
-    "mla": KVLayout.mla(num_layers=1, kv_lora_rank=64, rope_dim=16, dtype=torch.bfloat16),
-    # MLA with a latent of 32 and an odd-sized k_rot (fp8 codes any width)
-    "mla-small": KVLayout.mla(num_layers=1, kv_lora_rank=32, rope_dim=7, dtype=torch.bfloat16),
-    # MHA, head_dim 128: groups of 32, 8 per K row (more than one lane batch of the C decoder)
-    "mha-128": KVLayout.mha(num_layers=1, num_kv_heads=5, head_dim=128, dtype=torch.bfloat16),
-    # MHA, head_dim 80 (power-of-two factor 16) and 24 (factor 8): smaller groups
-    "mha-80": KVLayout.mha(num_layers=1, num_kv_heads=2, head_dim=80, dtype=torch.bfloat16),
-    "mha-24": KVLayout.mha(num_layers=1, num_kv_heads=3, head_dim=24, dtype=torch.bfloat16),
-}
 TOLERANCE = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-20}
-
-
-@pytest.fixture(params=["c", "torch"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test once through the C decoders and once through the torch path."""
-    if request.param == "c":
-        if codecs_module.kernels is None:
-            pytest.skip("tenantkv was installed without a C compiler")
-    else:
-        monkeypatch.setattr(codecs_module, "kernels", None)
-    return str(request.param)
 
 
 def _values(layout: KVLayout, blocks: int, tokens: int, seed: int) -> torch.Tensor:
@@ -65,10 +43,6 @@ def _values(layout: KVLayout, blocks: int, tokens: int, seed: int) -> torch.Tens
     return values.to(layout.dtype)
 
 
-def _coded(name: str, kind: str, dtype: torch.dtype) -> KVLayout:
-    return dataclasses.replace(LAYOUTS[kind], dtype=dtype).with_codec(name)
-
-
 def _assert_int4_close(layout: KVLayout, got: torch.Tensor, want: torch.Tensor) -> None:
     """``got`` within one rounding of ``want`` (the module docstring says why): one unit in the
     last place of the output dtype, plus float32 noise of the largest value's size."""
@@ -80,7 +54,7 @@ def _assert_int4_close(layout: KVLayout, got: torch.Tensor, want: torch.Tensor) 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fp8_decodes_bit_for_bit_as_before(path: str, kind: str, dtype: torch.dtype) -> None:
-    layout = _coded("fp8", kind, dtype)
+    layout = coded("fp8", kind, dtype)
     values = _values(layout, 3, 64, seed=1)
     codes = layout.coder.encode(layout, values, 64)
     got = layout.coder.decode(layout, codes, 64)
@@ -92,7 +66,7 @@ def test_fp8_decodes_bit_for_bit_as_before(path: str, kind: str, dtype: torch.dt
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_int4_decodes_as_before(path: str, kind: str, dtype: torch.dtype) -> None:
-    layout = _coded("int4", kind, dtype)
+    layout = coded("int4", kind, dtype)
     values = _values(layout, 3, 64, seed=2)
     codes = layout.coder.encode(layout, values, 64)
     got = layout.coder.decode(layout, codes, 64)
@@ -124,7 +98,7 @@ def test_c_decoders_agree_with_the_reference_on_random_blocks(
     if codecs_module.kernels is None:
         pytest.skip("tenantkv was installed without a C compiler")
     for name in ("fp8", "int4"):
-        layout = _coded(name, kind, dtype)
+        layout = coded(name, kind, dtype)
         values = (_values(layout, 2, 16, seed).float() * magnitude).to(dtype)
         codes = layout.coder.encode(layout, values, 16)
         got, want = layout.coder.decode(layout, codes, 16), reference.decode(layout, codes, 16)
@@ -170,7 +144,7 @@ def test_decode_into_writes_the_destination_rows_and_nothing_else(
 ) -> None:
     """Paged rows (blocks out of order, gaps between them): each block's rows get what a
     fresh decode gives, every other row keeps its bytes. MHA decodes into (k, v) buffers."""
-    layout = _coded(name, kind, torch.bfloat16)
+    layout = coded(name, kind, torch.bfloat16)
     values = _values(layout, 3, 64, seed=3)
     codes = layout.coder.encode(layout, values, 64)
     whole = layout.coder.decode(layout, codes, 64)
@@ -235,7 +209,7 @@ def test_an_int4_rotation_other_than_the_group_decodes_by_the_torch_path(
     """The C decoder rotates each scale group on its own; a rotation block of another size
     (bench/codecs.py compares 1 and 512) must not reach it: such parts decode by the torch
     path, whose values the C decoder is never asked to match."""
-    layout = _coded("int4", "mla", torch.bfloat16)
+    layout = coded("int4", "mla", torch.bfloat16)
     values = _values(layout, 2, 64, seed=4)
     for block in (1, 64):
         monkeypatch.setattr(codecs_module, "MAX_ROTATION", block)
