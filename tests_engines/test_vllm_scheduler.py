@@ -146,11 +146,16 @@ class Setup:
         self.worker.register_kv_caches(self.pages)
 
     def request(
-        self, rid: str, params: dict[str, Any] | None, prompt: list[int] = PROMPT
+        self,
+        rid: str,
+        params: dict[str, Any] | None,
+        prompt: list[int] = PROMPT,
+        *,
+        salt: str | None = None,
     ) -> Request:
-        """A request whose vLLM-side salt is its id: in a deployment the gateway sets
-        ``cache_salt`` per tenant, or vLLM's own GPU prefix cache shares blocks across tenants
-        (outside tenantkv; docs/engines.md)."""
+        """A request whose vLLM-side salt is its id unless ``salt`` is given: in a deployment
+        the gateway sets ``cache_salt`` per tenant, or vLLM's own GPU prefix cache shares
+        blocks across tenants (outside tenantkv; docs/engines.md)."""
         init_none_hash(sha256)
         sampling = SamplingParams(max_tokens=4)
         sampling.update_from_generation_config({}, EOS)
@@ -160,7 +165,7 @@ class Setup:
             sampling_params=sampling,
             pooling_params=None,
             block_hasher=get_request_block_hasher(BLOCK, sha256),
-            cache_salt=rid,
+            cache_salt=salt or rid,
         )
         request.kv_transfer_params = params
         self.scheduler.add_request(request)
@@ -479,6 +484,33 @@ def test_a_save_in_flight_keeps_the_finished_requests_pages_until_done(
     assert second.num_computed_tokens == 100
     for name in LAYERS:
         assert torch.equal(setup.pages[name][list(load.block_ids)], expected[name])
+    assert setup.worker.worker_side.saves.failed == 0
+
+
+def test_a_next_turn_that_vllms_prefix_cache_covers_does_not_wait_for_the_save(
+    setup: Setup, gateway: AssertionSigner
+) -> None:
+    gate = gate_saves(setup)
+    setup.request("first", params(gateway, "globex"), salt="globex")
+    setup.step(compute=True, drain=False)
+    setup.scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
+    # the same tenant's next turn: vLLM's prefix cache (the gateway's per-tenant salt) still
+    # holds the first turn's pages, so the save could add nothing and the request runs now
+    turn = setup.request("second", params(gateway, "globex"), salt="globex")
+    # control: a request vLLM's cache does not cover still waits for the save to load from it
+    uncovered = setup.request("third", params(gateway, "globex"), salt="elsewhere")
+    setup.step(drain=False)
+    assert setup.worker.worker_side.saves.in_flight("first")
+    assert turn.status == RequestStatus.RUNNING and turn.num_computed_tokens >= 96
+    assert uncovered.status == RequestStatus.WAITING and uncovered.num_computed_tokens == 0
+    gate.set()
+    setup.worker.worker_side.saves.drain()
+    for _ in range(2):
+        _, meta, _ = setup.step()
+        if meta.loads:
+            break
+    (load,) = meta.loads  # positive control: the uncovered request hits the saved prefix
+    assert load.request_id == "third" and uncovered.num_computed_tokens >= 96
     assert setup.worker.worker_side.saves.failed == 0
 
 

@@ -13,10 +13,13 @@ cache -- computed as without a connector, nothing loaded or saved -- and is coun
 (``EngineNamespaces.failed``).
 
 Saves run in the background on the worker (``worker_side``). A waiting request whose prompt
-starts like a prompt still being saved for the same owner is answered "not yet" (``None``: vLLM
-asks again next step) until the worker reports that save done, so a conversation's next turn
-loads what its previous turn stored instead of computing it again. A save the worker never
-reports (a lost worker) stops holding lookups after ``SAVE_WAIT_LIMIT`` seconds.
+shares blocks with a prompt still being saved for the same owner, beyond what vLLM's own prefix
+cache already gave it, is answered "not yet" (``None``: vLLM asks again next step) until the
+worker reports that save done, so a conversation's next turn loads what its previous turn stored
+instead of computing it again. A request whose local hit already covers what the save would add
+(vLLM's prefix cache holds the previous turn's pages, its usual case right after a turn) never
+waits. A save the worker never reports (a lost worker) stops holding lookups after
+``SAVE_WAIT_LIMIT`` seconds.
 ``request_finished`` holds the pages of a request given a save until the worker reports it
 finished sending.
 
@@ -44,11 +47,11 @@ SAVE_WAIT_LIMIT = 30.0
 
 @dataclass(frozen=True)
 class _PendingSave:
-    """A save handed to the worker and not reported done: its owner, the tokens of its first
-    block (what a prompt that would find it starts with) and when it was handed over."""
+    """A save handed to the worker and not reported done: its owner, the tokens it covers (the
+    prompt's full blocks) and when it was handed over."""
 
     owner: RequestTenant
-    first_block: tuple[int, ...]
+    tokens: tuple[int, ...]
     since: float
 
 
@@ -77,15 +80,21 @@ class SchedulerSide:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_saves: dict[str, _PendingSave] = {}
 
-    def _save_pending_for(self, tracked: _Tracked) -> bool:
-        """Whether a save the worker has not finished could extend this prompt's hit."""
+    def _save_pending_for(self, tracked: _Tracked, num_computed_tokens: int) -> bool:
+        """Whether a save the worker has not finished would give this prompt at least one
+        usable block past the ``num_computed_tokens`` vLLM already has: the save covers the
+        prompt's blocks up to and including the first block past them."""
         now = time.monotonic()
-        first = tracked.prompt[: self._block]
+        usable = (len(tracked.prompt) - 1) // self._block * self._block
+        wanted = (num_computed_tokens // self._block + 1) * self._block
+        if wanted > usable:
+            return False  # vLLM already has every block a hit could give
+        head = tracked.prompt[:wanted]
         for rid, pending in list(self._pending_saves.items()):
             if now - pending.since > SAVE_WAIT_LIMIT:
                 logger.warning("tenantkv save of request %s not reported; lookups go on", rid)
                 del self._pending_saves[rid]
-            elif pending.owner == tracked.owner and pending.first_block == first:
+            elif pending.owner == tracked.owner and pending.tokens[:wanted] == head:
                 return True
         return False
 
@@ -110,7 +119,7 @@ class SchedulerSide:
         tracked = self._track(request)
         if tracked.namespace is None or len(tracked.prompt) < 2:
             return 0, False
-        if self._pending_saves and self._save_pending_for(tracked):
+        if self._pending_saves and self._save_pending_for(tracked, num_computed_tokens):
             return None, False  # asked again next step, once the save is indexed
         # Look the prompt's full blocks up (so a later save knows what is cached), but never
         # report the block holding the last prompt token: vLLM must compute at least one.
@@ -193,14 +202,13 @@ class SchedulerSide:
         if start * self._block >= full:
             return  # all cached already
         tracked.save_sent = True
-        self._pending_saves[req_id] = _PendingSave(
-            tracked.owner, tracked.prompt[: self._block], time.monotonic()
-        )
+        tokens = tracked.prompt[:full]
+        self._pending_saves[req_id] = _PendingSave(tracked.owner, tokens, time.monotonic())
         meta.saves.append(
             SaveSpec(
                 req_id,
                 tracked.owner,
-                tracked.prompt[:full],
+                tokens,
                 tuple(tracked.block_ids[: full // self._block]),
                 start,
             )
