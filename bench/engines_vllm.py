@@ -31,16 +31,25 @@ and a hit right after a miss may include the rest of that store.
 
 Engines run in ``--rounds`` passes (default 2), the order reversed every other pass.
 
+``--engine-core in-process`` (the default) runs vLLM's engine core in the benchmark's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``LLM`` in a script); ``separate`` runs it in processes
+of its own, as ``vllm serve`` does. The two differ for background work: the in-process engine
+loop steps again at once while a request waits (for a load or a save), holding the GIL between
+steps, where the separate engine core sleeps a millisecond after a step that ran no model
+(docs/perf.md, "vLLM: the hit right after its miss, and the GIL").
+
 Run (in the engine venv, scripts/setup_engines.sh):
     .venv-engines/bin/python bench/engines_vllm.py [--lengths 256,1024,2048] [--reps 3] \
-        [--rounds 2] [--out DIR]
+        [--rounds 2] [--engine-core in-process|separate] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,11 +78,12 @@ def write_model(directory: Path) -> None:
 
 def worker(spec_path: str) -> None:
     """One engine: build the LLM, run every (length, rep) miss then hit, print the timings."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    spec = json.loads(Path(spec_path).read_text())
+    separate = spec.get("engine_core") == "separate"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # 1 GiB of KV cache: without it vLLM's CPU backend reserves 92% of the machine's memory
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -149,10 +159,16 @@ def worker(spec_path: str) -> None:
 
 
 def run_engine(
-    engine: str, model: Path, work: Path, lengths: list[int], reps: int, round_: int = 0
+    engine: str,
+    model: Path,
+    work: Path,
+    lengths: list[int],
+    reps: int,
+    round_: int = 0,
+    engine_core: str = "in-process",
 ) -> Any:
     spec: dict[str, Any] = {"engine": engine, "model": str(model), "lengths": lengths}
-    spec["reps"], spec["round"] = reps, round_
+    spec["reps"], spec["round"], spec["engine_core"] = reps, round_, engine_core
     work = work / f"round-{round_}"
     work.mkdir(exist_ok=True)
     if engine == "example":
@@ -178,13 +194,30 @@ def run_engine(
         spec["params"] = {"tenantkv_assertion": signer.sign("bench", ttl=3600)}
     path = work / f"{engine}.json"
     path.write_text(json.dumps(spec))
-    done = subprocess.run(
-        [sys.executable, __file__, "--worker", str(path)], capture_output=True, text=True
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
-    if not lines:
-        sys.exit(f"engine {engine} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("BENCH "))
+    errors = work / f"{engine}.stderr"
+    # A session of its own: once the worker has printed its figures, the whole session goes,
+    # the engine core's processes (``separate``) with it, which would otherwise outlive the
+    # worker's ``os._exit`` holding its stdout open.
+    with open(errors, "w") as stderr:
+        worker = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+        found = None
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            if line.startswith("BENCH "):
+                found = line
+                break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    if found is None:
+        sys.exit(f"engine {engine} failed:\n{errors.read_text()[-3000:]}")
+    return json.loads(found.removeprefix("BENCH "))
 
 
 def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
@@ -221,6 +254,13 @@ def main() -> None:
         default=2,
         help="engine passes, the order reversed every other pass (reps per pass = reps)",
     )
+    parser.add_argument(
+        "--engine-core",
+        choices=("in-process", "separate"),
+        default="in-process",
+        help="vLLM's engine core in the benchmark's process (LLM in a script) or in processes"
+        " of its own (as vllm serve runs it)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -239,7 +279,7 @@ def main() -> None:
             chosen = tuple(e for e in ENGINES if e in args.engines.split(","))
             order = chosen if round_ % 2 == 0 else tuple(reversed(chosen))
             for engine in order:
-                got = run_engine(engine, model, work, lengths, args.reps, round_)
+                got = run_engine(engine, model, work, lengths, args.reps, round_, args.engine_core)
                 empty: dict[str, dict[str, list[float]]] = {str(n): {} for n in lengths}
                 merged = results.setdefault(engine, empty)
                 for n in lengths:
