@@ -7,6 +7,7 @@ saves from page tensors shaped as vLLM's CPU backend allocates them ([B, H, N, K
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from tenantkv.config import CacheConfig as TenantKVConfig
 from tenantkv.errors import InvalidRequestError
 from tenantkv.integrations import paged_kv
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS, RequestTenant
-from tenantkv.integrations.vllm import TenantKVConnector
+from tenantkv.integrations.vllm import TenantKVConnector, scheduler_side
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
 from tenantkv.integrations.vllm.settings import ENGINE_WINDOW, ConnectorSettings
 from tenantkv.tenant_assertion import AssertionSigner
@@ -512,6 +513,73 @@ def test_a_next_turn_that_vllms_prefix_cache_covers_does_not_wait_for_the_save(
     (load,) = meta.loads  # positive control: the uncovered request hits the saved prefix
     assert load.request_id == "third" and uncovered.num_computed_tokens >= 96
     assert setup.worker.worker_side.saves.failed == 0
+
+
+def record_yields(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The sleeps of the connector's scheduler side from now on (they still sleep)."""
+    slept: list[float] = []
+    real_sleep = time.sleep
+
+    def recorded(seconds: float) -> None:
+        if sys._getframe(1).f_globals.get("__name__") == scheduler_side.__name__:
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(scheduler_side.time, "sleep", recorded)
+    return slept
+
+
+def test_an_idle_step_that_holds_a_request_for_a_save_gives_the_save_the_gil(
+    setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slept = record_yields(monkeypatch)
+    gate = gate_saves(setup)
+    setup.request("first", params(gateway, "globex"))
+    setup.step(compute=True, drain=False)
+    setup.scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
+    setup.step(drain=False)
+    assert slept == []  # steps that ran a prompt, or held nothing, go on at once
+    second = setup.request("second", params(gateway, "globex"))
+    setup.step(drain=False)  # the next turn is held for the save and nothing else runs
+    assert slept == [scheduler_side.BACKGROUND_YIELD]
+    assert second.status == RequestStatus.WAITING
+    gate.set()
+    setup.worker.worker_side.saves.drain()
+    setup.step()  # reports the save done
+    _, meta, _ = setup.step()
+    (load,) = meta.loads  # positive control: the held turn loads what was saved
+    assert load.request_id == "second" and second.num_computed_tokens == 100
+    assert len(slept) == 2  # the step that reported the save still held the request
+
+
+def test_idle_steps_while_an_async_load_runs_give_it_the_gil(
+    tmp_path: Path,
+    index: Index,
+    tiny_llama: Path,
+    gateway_pem: str,
+    gateway: AssertionSigner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
+    store_for(setup, "acme")
+    slept = record_yields(monkeypatch)
+    started = threading.Event()
+    release = threading.Event()
+    pool = setup.worker.worker_side._async_pool
+    pool.submit(lambda: (started.set(), release.wait(60)))  # the load queues behind this
+    assert started.wait(10)
+    request = setup.request("owner", params(gateway, "acme"))
+    for _ in range(2):
+        setup.step()
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert slept == [scheduler_side.BACKGROUND_YIELD] * 2  # nothing else to run: yield
+    release.set()
+    pool.submit(lambda: None).result()  # the load has run
+    for _ in range(3):
+        setup.step()
+    # positive control: the load finished and the request ran, with no yield once it did
+    assert request.status == RequestStatus.RUNNING and request.num_computed_tokens >= 100
+    assert 2 <= len(slept) <= 3
 
 
 def test_a_failed_background_save_is_counted_and_leaves_nothing_indexed(

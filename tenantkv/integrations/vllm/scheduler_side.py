@@ -19,9 +19,18 @@ worker reports that save done, so a conversation's next turn loads what its prev
 instead of computing it again. A request whose local hit already covers what the save would add
 (vLLM's prefix cache holds the previous turn's pages, its usual case right after a turn) never
 waits. A save the worker never reports (a lost worker) stops holding lookups after
-``SAVE_WAIT_LIMIT`` seconds.
-``request_finished`` holds the pages of a request given a save until the worker reports it
-finished sending.
+``SAVE_WAIT_LIMIT`` seconds. ``request_finished`` holds the pages of a request given a save
+until the worker reports it finished sending.
+
+A step that schedules nothing while a request waits on the connector's background work (held
+for a save, or an asynchronous load not yet finished) sleeps ``BACKGROUND_YIELD`` before it
+returns. Where vLLM's engine core runs in the caller's process (``LLM`` in a script), its loop
+steps again at once while a request waits, holding the GIL between steps, and the background
+thread -- which releases the GIL at every seal, read, write and index statement -- waits a whole
+switch interval (5 ms) to take it back each time: a 2,048-token save took 1.7-3.7 s instead of
+~0.1 (docs/perf.md, "vLLM: the hit right after its miss, and the GIL"). The sleep gives the GIL
+to that work while there is nothing else to run, as vLLM's own engine core does after an idle
+step where it runs in processes of its own.
 
 The prompt's last token is never reported as cached (vLLM must compute at least one token), and
 hits are whole blocks: the namespace's block size is vLLM's ``block_size``, so tenantkv's
@@ -43,6 +52,11 @@ logger = logging.getLogger("tenantkv")
 
 #: Seconds a lookup waits at most for a save of the same prefix the worker has not reported.
 SAVE_WAIT_LIMIT = 30.0
+
+#: Seconds an idle step sleeps while a request waits on a save or an asynchronous load, giving
+#: the GIL to that work (see the module docstring; vLLM's engine core sleeps as long after an
+#: idle step).
+BACKGROUND_YIELD = 0.001
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,8 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_saves: dict[str, _PendingSave] = {}
+        self._held_for_save = False  # this step answered "not yet" for a pending save
+        self._loading_async: set[str] = set()  # asynchronous loads not reported finished
 
     def _save_pending_for(self, tracked: _Tracked, num_computed_tokens: int) -> bool:
         """Whether a save the worker has not finished would give this prompt at least one
@@ -120,6 +136,7 @@ class SchedulerSide:
         if tracked.namespace is None or len(tracked.prompt) < 2:
             return 0, False
         if self._pending_saves and self._save_pending_for(tracked, num_computed_tokens):
+            self._held_for_save = True
             return None, False  # asked again next step, once the save is indexed
         # Look the prompt's full blocks up (so a later save knows what is cached), but never
         # report the block holding the last prompt token: vLLM must compute at least one.
@@ -152,6 +169,8 @@ class SchedulerSide:
         last = end // self._block
         tracked.external_tokens = num_external_tokens
         tracked.loaded_blocks = set(block_ids[first:last])
+        if self._async:
+            self._loading_async.add(request.request_id)
         self._pending_loads[request.request_id] = LoadSpec(
             request.request_id,
             tracked.owner,
@@ -162,6 +181,10 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> TenantKVConnectorMetadata:
+        waiting = self._held_for_save or bool(self._loading_async)
+        self._held_for_save = False
+        if waiting and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            time.sleep(BACKGROUND_YIELD)  # nothing to run: let the background work have the GIL
         meta = TenantKVConnectorMetadata(
             loads=list(self._pending_loads.values()),
             preempted=frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ()),
@@ -217,6 +240,9 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         """Note the saves the worker finished, and requests whose loaded blocks failed (vLLM
         recomputes them): a miss to meter."""
+        self._loading_async.difference_update(
+            getattr(connector_output, "finished_recving", None) or ()
+        )
         worker = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker, TenantKVWorkerMetadata):
             for rid in worker.saved:
@@ -236,6 +262,7 @@ class SchedulerSide:
         """Meter the request; True (hold its pages) if the worker was given its save."""
         tracked = self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._loading_async.discard(request.request_id)
         if tracked is None or tracked.namespace is None:
             return tracked is not None and tracked.save_sent
         hit = 0 if tracked.load_failed else tracked.external_tokens
