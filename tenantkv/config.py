@@ -168,10 +168,11 @@ class CacheConfig:
     window: int | None = None
     #: Host memory all loads use for ciphertext in flight, in slots of ``staging_slot_bytes``.
     #: A chunk (one slot of ciphertext) costs a read, a lock round trip and Python
-    #: bookkeeping, so slots are large: 8 MiB holds half a layer of an 8K-token DeepSeek-V3
-    #: MLA prefix, and 8 slots still exceed the loader threads (docs/perf.md).
-    staging_bytes: int = 64 * MiB
-    staging_slot_bytes: int = 8 * MiB
+    #: bookkeeping, so slots are large: 16 MiB holds a whole layer of an 8K-token DeepSeek-V3
+    #: MLA prefix (9.4 MB), which a loader thread of an ``out=`` load then opens in one chunk
+    #: (docs/perf.md, "Whole layers per worker"); 8 slots, as many as in 8 MiB slots before.
+    staging_bytes: int = 128 * MiB
+    staging_slot_bytes: int = 16 * MiB
     #: Host memory kept for recycling fresh CPU layers once callers drop them.
     layer_pool_bytes: int = 256 * MiB
     #: Block keys this node's lookups keep, over all namespaces, so that a lookup asks the index

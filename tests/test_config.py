@@ -20,7 +20,7 @@ def test_defaults_and_derived_locations(tmp_path: Path, index: Index) -> None:
         assert config.index_url == f"sqlite:///{tmp_path / 'index.db'}"
     assert config.blocks_url == (tmp_path / "blocks").resolve().as_uri()
     assert config.load_threads >= 2 and config.seal_threads >= 1
-    assert config.staging_bytes == 64 * 2**20 and config.staging_slot_bytes == 8 * 2**20
+    assert config.staging_bytes == 128 * 2**20 and config.staging_slot_bytes == 16 * 2**20
 
 
 def test_from_env_reads_prefixed_variables_and_overrides_win(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 
 import tenantkv
 from tenantkv import KVLayout, TenantKV
-from tenantkv.datapath import chunk_io
+from tenantkv.datapath import chunk_io, load_workers
 from tenantkv.datapath.worker_hold import FirstLayerHold
 from tests.helpers import layers_equal, load_all, prefix_of, random_layers, random_tokens
 from tests.indexes import Index
@@ -389,6 +389,81 @@ def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it(two_threads: Tenan
         assert stream.delivered_layers == 2
     with pytest.raises(tenantkv.CacheClosedError):
         stream.wait_for_layer(0)
+
+
+@pytest.fixture
+def layer_sized_slots(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
+    """Two loader threads, a window of 2, and staged reads into slots that each hold a whole
+    layer of an 8-block prefix."""
+    cache = tenantkv.open(
+        tmp_path / "cache",
+        durable=False,
+        workers=2,
+        load_threads=2,
+        staging_slot_bytes=8 * SEGMENT,
+        staging_bytes=4 * 8 * SEGMENT,
+        map_reads=False,
+    )
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
+def _complete_layers_once_idle(stream: tenantkv.LoadStream) -> int:
+    """How many layers ``stream`` completed once its workers left (the caller consumed none)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with stream._lock:
+            schedule = stream._schedule
+            if schedule.running == 0 and schedule.busy == 0:
+                return sum(schedule.complete(i) for i in range(stream.num_layers))
+        assert time.monotonic() < deadline, "the load's workers never left"
+        time.sleep(0.005)
+
+
+def test_an_out_load_opens_every_layer_without_waiting_for_its_caller(
+    layer_sized_slots: TenantKV,
+) -> None:
+    """Into the caller's own buffers, a load allocates nothing ahead of its caller: no window
+    holds its workers back (each would leave its thread and be started again per layer)."""
+    ((ns, tokens, layers), _) = _two_prefixes(layer_sized_slots)
+    out = [torch.empty_like(layer) for layer in layers]
+    with ns.load(tokens, out=out) as stream:
+        assert _complete_layers_once_idle(stream) == len(layers)
+        for index, layer in stream:
+            assert layer.data_ptr() == out[index].data_ptr()
+            assert layers_equal(layer, layers[index])
+    # Control: fresh layers stay within the window (2) of what the caller consumed.
+    with ns.load(tokens) as fresh:
+        assert _complete_layers_once_idle(fresh) == 2
+        for index, layer in fresh:
+            assert layers_equal(layer, layers[index])
+    assert layer_sized_slots.staging_stats()["host"].in_use == 0
+
+
+def test_an_out_load_opens_each_later_layer_in_one_chunk_a_slot_holds(
+    layer_sized_slots: TenantKV,
+) -> None:
+    """Its workers each take a layer of their own: one chunk per later layer where a slot holds
+    the layer, half as many reads, lock round trips and Python bookkeeping as a shared one."""
+    ((ns, tokens, layers), _) = _two_prefixes(layer_sized_slots)
+    out = [torch.empty_like(layer) for layer in layers]
+    with ns.load(tokens, out=out) as stream:
+        assert (len(stream._first_work), len(stream._work)) == (4, 1)
+        for index, layer in stream:
+            assert layers_equal(layer, layers[index])
+    # Control: a fresh load, whose window holds workers back, shares each layer between them.
+    with ns.load(tokens) as fresh:
+        assert (len(fresh._first_work), len(fresh._work)) == (4, 2)
+        for index, layer in fresh:
+            assert layers_equal(layer, layers[index])
+
+
+def test_window_and_cut_of_a_load() -> None:
+    assert load_workers.later_layer_shares(61, 61, 8) == 1  # the window spans every layer
+    assert load_workers.later_layer_shares(60, 61, 8) == 8
+    assert load_workers.later_layer_shares(2, 61, 2) == 2
 
 
 def _hold_workers(kv: TenantKV, policy: FirstLayerHold) -> None:

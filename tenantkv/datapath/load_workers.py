@@ -15,6 +15,10 @@ closed load's waits for staging slots and its chunk I/O. Chunk I/O runs outside 
 Methods that run under the lock assert that it is held. :class:`~.loader.LoadStream` adds the
 caller's side.
 
+A load into the caller's own buffers (``out=``) has no window: its workers open every layer
+without waiting for the caller, each a layer of its own (:func:`load_window`,
+:func:`later_layer_shares`).
+
 With the opt-in hold (``worker_hold.py``), workers pause before (groups of segments of) later
 layers' chunks while the policy says so; without it (the default) nothing here waits for the
 caller.
@@ -53,6 +57,31 @@ FailureHandler = Callable[[ExtentFailure], None]
 Taken = tuple[int, Work, LayerOutput]
 
 
+def load_window(target: LoadTarget, num_layers: int, window: int) -> int:
+    """Layers a load may open ahead of what its caller consumed.
+
+    ``window`` bounds the memory of fresh layers allocated ahead of the caller. A load into the
+    caller's own buffers (``out=``) allocates none, so its workers go on through every layer
+    without waiting for the caller to consume one: a worker that finds the window full leaves
+    its thread and is started again once the caller moves on, a round trip through the pool per
+    layer (docs/perf.md, "Whole layers per worker"). Fairness does not rest on the window: a
+    worker gives its thread to other tasks waiting for the pool after each chunk.
+    """
+    return num_layers if target.out is not None else max(1, window)
+
+
+def later_layer_shares(window: int, num_layers: int, workers: int) -> int:
+    """How many chunks (at least) each layer after the first is cut into.
+
+    Where the window spans every layer, workers open layers of their own, each in chunks as
+    large as a staging slot allows rather than in one share per worker: up to ``workers`` times
+    fewer chunks, each a read, a lock round trip and Python bookkeeping (docs/perf.md, "Whole
+    layers per worker"). Otherwise every worker takes an equal share of each layer, so that
+    none finishes a layer alone while the window holds the others back.
+    """
+    return 1 if window >= num_layers else workers
+
+
 class LoadWorkers:
     """The chunks of one load, opened by worker tasks in layer order (see the module docstring).
 
@@ -77,7 +106,7 @@ class LoadWorkers:
         self._target = target
         self._pool = pool
         self._ring = ring
-        self._window = max(1, window)
+        self._window = load_window(target, layout.num_layers, window)
         self._on_failure = on_failure
         # The one lock; everything below marked "(lock)" is read and written under it.
         self._lock = threading.Lock()
@@ -94,7 +123,8 @@ class LoadWorkers:
         # get the GIL back after a read); later layers keep few large chunks, since every chunk
         # costs a read, a lock round trip and Python bookkeeping.
         self._first_work = self._io.prepare(split_chunks(plan, max_segments, 2 * workers))
-        self._work = self._io.prepare(split_chunks(plan, max_segments, workers))
+        shares = later_layer_shares(self._window, self.num_layers, workers)
+        self._work = self._io.prepare(split_chunks(plan, max_segments, shares))
         self._schedule = Schedule(  # (lock)
             num_layers=self.num_layers,
             first_chunks=len(self._first_work),
