@@ -1,6 +1,7 @@
 """Rings of recent writes per owner (tenantkv.storage.recent_owners): one tenant's stores never
 push another tenant's just-written extents out of memory; the budget follows the memory
-available; and cold reads of local extents read ahead (tenantkv.storage.local_reader)."""
+available; and cold reads of local extents read ahead where the kernel does not
+(tenantkv.storage.local_reader)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,14 @@ import torch
 import tenantkv
 from tenantkv.config import CacheConfig
 from tenantkv.errors import InvalidRequestError
+from tenantkv.storage import local_reader
 from tenantkv.storage.local import LocalBlockStore
-from tenantkv.storage.local_reader import READ_AHEAD_BYTES, LocalReader, _in_page_cache
+from tenantkv.storage.local_reader import (
+    READ_AHEAD_BYTES,
+    READ_AHEAD_STEP,
+    LocalReader,
+    _in_page_cache,
+)
 from tenantkv.storage.recent_owners import (
     MAX_DEFAULT_CAPACITY,
     OwnerRings,
@@ -169,12 +176,12 @@ def test_a_cache_keeps_each_tenants_stores_in_a_ring_of_its_own(
                 assert torch.equal(layer[0], want[0]) and torch.equal(layer[1], want[1])
 
 
-def test_a_cold_extent_is_read_ahead_and_a_warm_one_is_not(tmp_path: Path) -> None:
+def _cold_extent(tmp_path: Path) -> tuple[LocalBlockStore, str, bytes]:
+    """An extent written past the page cache and dropped from it (skips where it cannot be)."""
     store = LocalBlockStore(tmp_path / "blocks", durable=True, map_reads=False, recent_bytes=0)
     data = os.urandom(3 * PAGE + 5)
     extent_id = _write(store, data, "a")
-    path = store.path_of(extent_id)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(store.path_of(extent_id), os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -185,14 +192,57 @@ def test_a_cold_extent_is_read_ahead_and_a_warm_one_is_not(tmp_path: Path) -> No
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return store, extent_id, data
+
+
+def test_a_cold_extent_is_read_ahead_and_a_warm_one_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, extent_id, data = _cold_extent(tmp_path)
+    monkeypatch.setattr(local_reader, "device_read_ahead_bytes", lambda device: 128 << 10)
     with store.open(extent_id) as reader:
-        assert isinstance(reader, LocalReader) and reader.cold()
+        assert isinstance(reader, LocalReader) and reader.cold() and reader.advises_read_ahead
         buffer = bytearray(len(data))
         reader.readinto(0, [buffer])
         assert bytes(buffer) == data
     with store.open(extent_id) as reader:  # control: now in the page cache
         assert isinstance(reader, LocalReader) and not reader.cold()
+        assert not reader.advises_read_ahead
         buffer = bytearray(len(data))
         reader.readinto(0, [buffer])
         assert bytes(buffer) == data
     assert READ_AHEAD_BYTES >= 16 << 20
+
+
+def test_a_cold_extent_is_not_advised_where_the_kernel_reads_a_step_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Advice fills the page cache in single pages, which later warm reads pay for: where the
+    device's own read-ahead (doubled for sequential reads) covers a step, none is given."""
+    store, extent_id, data = _cold_extent(tmp_path)
+    monkeypatch.setattr(local_reader, "device_read_ahead_bytes", lambda device: 8 << 20)
+    with store.open(extent_id) as reader:
+        assert isinstance(reader, LocalReader) and reader.cold()
+        assert not reader.advises_read_ahead
+        buffer = bytearray(len(data))
+        reader.readinto(0, [buffer])
+        assert bytes(buffer) == data
+
+
+def test_read_ahead_advice_follows_the_devices_window() -> None:
+    assert local_reader.needs_read_ahead_advice(None)  # unknown: advise, as always before
+    assert local_reader.needs_read_ahead_advice(128 << 10)  # a device's usual window
+    assert local_reader.needs_read_ahead_advice(READ_AHEAD_STEP // 2 - 4096)
+    assert not local_reader.needs_read_ahead_advice(READ_AHEAD_STEP // 2)
+    assert not local_reader.needs_read_ahead_advice(8 << 20)
+    # A device number no system has: its window cannot be told.
+    assert local_reader.device_read_ahead_bytes(os.makedev(4000, 999_999)) is None
+
+
+def test_the_window_of_a_real_device_is_read_from_sysfs(tmp_path: Path) -> None:
+    device = os.stat(tmp_path).st_dev
+    bdi = Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb")
+    if not bdi.exists():
+        pytest.skip("the temp dir's file system has no backing device of its own in sysfs")
+    want = int(bdi.read_text().strip()) * 1024
+    assert local_reader.device_read_ahead_bytes(device) == want
