@@ -53,6 +53,22 @@ def whiskers(
     return medians, [lows, highs]
 
 
+def horizontal_bars(
+    path: Path, samples: dict[str, list[float]], xlabel: str, title: str | None = None
+) -> None:
+    """One horizontal bar per named sample at its median, whiskers to its min and max, the first
+    sample on top; written to ``path``."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(samples)))
+    medians, errors = whiskers(list(samples.values()))
+    ax.barh(list(samples), medians, xerr=errors, color="#4878a8", capsize=3)
+    ax.set_xlabel(xlabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.invert_yaxis()
+    save_figure(fig, path)
+
+
 def median_bars(
     ax: Any,
     positions: Sequence[Any],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ import torch
 from _cli import bench_parser, write_outputs
 from _common import format_ratios, format_stats_table, print_machine
 from _fixtures import deepseek_layout, import_tenantkv, prefix_tokens, tenant_namespace
-from _plots import pyplot, save_figure, whiskers
+from _plots import horizontal_bars
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from modes import evict_files
 
 tenantkv = import_tenantkv()
 from tenantkv.storage import local_reader  # noqa: E402  (after import_tenantkv's hint)
@@ -68,15 +72,6 @@ def main() -> None:
             raise RuntimeError("the prefix was not stored whole")
         files = [path for path in (root / "cache").rglob("*.tkx")]
 
-        def evict() -> None:
-            for path in files:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
         def load() -> float:
             for buf in bufs:
                 buf.zero_()
@@ -96,7 +91,7 @@ def main() -> None:
             names = list(POLICIES) if rep % 2 == 0 else list(reversed(POLICIES))
             for name in names:
                 local_reader.needs_read_ahead_advice = POLICIES[name]
-                evict()
+                evict_files(files)
                 rates.setdefault(f"{name}: cold", []).append(load())
                 warm = statistics.median(load() for _ in range(3))
                 rates.setdefault(f"{name}: warm after it", []).append(warm)
@@ -117,15 +112,7 @@ def main() -> None:
     print(format_ratios(ratios))
 
     def plot(path: Path) -> None:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(8, 3))
-        medians_, errors = whiskers(list(rates.values()))
-        ax.barh(list(rates), medians_, xerr=errors, color="#4878a8", capsize=3)
-        ax.set_xlabel("GB/s (min / median / max)")
-        ax.set_title(title, fontsize=9)
-        ax.invert_yaxis()
-        fig.tight_layout()
-        save_figure(fig, path)
+        horizontal_bars(path, rates, "GB/s (min / median / max)", title)
 
     data = {"gb_per_s": rates, "ratios": ratios, "device_read_ahead_bytes": window}
     write_outputs(args.out, "cold_read_ahead", data, plot)

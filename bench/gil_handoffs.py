@@ -30,7 +30,7 @@ from pathlib import Path
 
 from _cli import bench_parser, write_outputs
 from _common import format_ratios, format_stats_table
-from _plots import pyplot, save_figure, whiskers
+from _plots import horizontal_bars
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 SEGMENT = 64 * 576 * 2  # 64 tokens of a DeepSeek-V3 latent layer in bf16: 72 KiB
@@ -102,14 +102,7 @@ def main() -> None:
     print(format_ratios(ratios))
 
     def plot(path: Path) -> None:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(7, 3))
-        medians, errors = whiskers(list(rates.values()))
-        ax.barh(list(rates), medians, xerr=errors, color="#4878a8")
-        ax.set_xlabel("GB/s of 72 KiB segments opened (min / median / max)")
-        ax.invert_yaxis()
-        fig.tight_layout()
-        save_figure(fig, path)
+        horizontal_bars(path, rates, "GB/s of 72 KiB segments opened (min / median / max)")
 
     write_outputs(args.out, "gil_handoffs", {"gb_per_s": rates, "ratios": ratios}, plot)
 

@@ -31,7 +31,7 @@ import torch
 from _cli import bench_parser, write_outputs
 from _common import format_ratios, format_stats_table, print_machine
 from _fixtures import byte_view, deepseek_layout, import_tenantkv, prefix_tokens, tenant_namespace
-from _plots import pyplot, save_figure, whiskers
+from _plots import horizontal_bars
 from store_load import LayerWorkers, SegmentCipher, Shape, aes_load, aes_store, split
 
 tenantkv = import_tenantkv()
@@ -159,15 +159,7 @@ def main() -> None:
     print(format_ratios(ratios))
 
     def plot(path: Path) -> None:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        medians, errors = whiskers(list(rates.values()))
-        ax.barh(list(rates), medians, xerr=errors, color="#4878a8", capsize=3)
-        ax.set_xlabel("GB/s (min / median / max)")
-        ax.set_title(title, fontsize=9)
-        ax.invert_yaxis()
-        fig.tight_layout()
-        save_figure(fig, path)
+        horizontal_bars(path, rates, "GB/s (min / median / max)", title)
 
     write_outputs(
         args.out,
