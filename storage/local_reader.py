@@ -95,9 +95,10 @@ def needs_read_ahead_advice(device_read_ahead: int | None) -> bool:
     reads by itself. Advice has a cost of its own: ``POSIX_FADV_WILLNEED`` fills the page cache
     in single pages where the kernel's read-ahead uses large folios, and every later warm read
     of those bytes pays for it (single-thread ``preadv`` of a 576 MB file 5.8 against 8.3 GB/s;
-    an 8K-token load cold 1.35-1.42 against 1.48-1.51 GB/s without advice, and warm afterwards
-    4.57-4.61 against 4.78-4.89, on a disk reading 8 MiB ahead; docs/perf.md, "Cold reads: the
-    kernel's read-ahead where it reaches a step"). Where the window is unknown, advise.
+    on a disk reading 8 MiB ahead, an 8K-token load cold 1.39 GB/s with advice against 1.73
+    without, and warm afterwards 4.56 against 4.84: ``bench/cold_read_ahead.py``, docs/perf.md,
+    "Whole layers per worker, and the kernel's read-ahead where it reaches a step"). Where the
+    window is unknown, advise.
     """
     return device_read_ahead is None or 2 * device_read_ahead < READ_AHEAD_STEP
 
