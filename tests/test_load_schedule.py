@@ -541,3 +541,9 @@ def test_a_load_that_starts_while_the_cache_closes_is_refused_not_left_open(
     runtime.begin_close()
     error = _within(20.0, lambda: ns.load(tokens))
     assert isinstance(error, tenantkv.CacheClosedError)
+    # The close above was only begun: the fixture's close() would find the runtime closed and
+    # return, leaving the cache's background threads (PostgreSQL: the lease and key-epoch
+    # writer, which outlived the test's schema) and its index open. Finish it here.
+    runtime._closed = False
+    three_loader_threads.close()
+    assert not three_loader_threads._coordination._thread.is_alive()
