@@ -304,42 +304,35 @@ def test_concurrent_loads_of_different_tenants_share_the_ring(
     assert waits_while_held > 0, "no load waited for the full ring: the loads bypassed it"
 
 
-@pytest.fixture
-def two_threads(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
-    """A cache whose loader pool has as many threads as one load runs workers (2), and a ring
-    of 2-segment slots, so every layer is several chunks."""
-    cache = tenantkv.open(
+def _open_two_loader_threads(tmp_path: Path, slot_segments: int, **options: Any) -> TenantKV:
+    """A cache whose loader pool has as many threads as one load runs workers (2), and a ring of
+    4 slots of ``slot_segments`` sealed segments each."""
+    return tenantkv.open(
         tmp_path / "cache",
         durable=False,
         workers=2,
         load_threads=2,
-        staging_slot_bytes=2 * SEGMENT,
-        staging_bytes=4 * 2 * SEGMENT,
+        staging_slot_bytes=slot_segments * SEGMENT,
+        staging_bytes=4 * slot_segments * SEGMENT,
+        **options,
     )
-    try:
+
+
+@pytest.fixture
+def two_threads(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
+    """Two loader threads and a ring of 2-segment slots, so every layer is several chunks."""
+    with _open_two_loader_threads(tmp_path, 2) as cache:
         yield cache
-    finally:
-        cache.close()
 
 
 @pytest.fixture
 def two_threads_held(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
     """``two_threads`` with the hold opted in, and staged reads (the caller never opens a
     chunk itself: a worker completes layer 0 for it)."""
-    cache = tenantkv.open(
-        tmp_path / "cache",
-        durable=False,
-        workers=2,
-        load_threads=2,
-        staging_slot_bytes=2 * SEGMENT,
-        staging_bytes=4 * 2 * SEGMENT,
-        map_reads=False,
-        hold_workers_for_first_layer=True,
-    )
-    try:
+    with _open_two_loader_threads(
+        tmp_path, 2, map_reads=False, hold_workers_for_first_layer=True
+    ) as cache:
         yield cache
-    finally:
-        cache.close()
 
 
 def _two_prefixes(kv: TenantKV) -> list[tuple[tenantkv.Namespace, list[int], list[Any]]]:
@@ -395,19 +388,8 @@ def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it(two_threads: Tenan
 def layer_sized_slots(tmp_path: Path, index: Index) -> Iterator[TenantKV]:
     """Two loader threads, a window of 2, and staged reads into slots that each hold a whole
     layer of an 8-block prefix."""
-    cache = tenantkv.open(
-        tmp_path / "cache",
-        durable=False,
-        workers=2,
-        load_threads=2,
-        staging_slot_bytes=8 * SEGMENT,
-        staging_bytes=4 * 8 * SEGMENT,
-        map_reads=False,
-    )
-    try:
+    with _open_two_loader_threads(tmp_path, 8, map_reads=False) as cache:
         yield cache
-    finally:
-        cache.close()
 
 
 def _complete_layers_once_idle(stream: tenantkv.LoadStream) -> int:
