@@ -129,7 +129,9 @@ class LocalReader(ExtentReader):
         self._advised: int | None = None
         self._cold = False
         try:
-            self._size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            self._size = stat.st_size
+            self._device = stat.st_dev  # whose read-ahead window a cold read follows
             if map_from == 0 and self._size > 0:
                 self._map_file(fd, keep_fd=False)
         except BaseException:
@@ -210,11 +212,7 @@ class LocalReader(ExtentReader):
         self._cold = True
         with contextlib.suppress(OSError):  # advisory: doubles the kernel's own readahead
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        try:
-            window = device_read_ahead_bytes(os.fstat(fd).st_dev)
-        except OSError:
-            window = None
-        if needs_read_ahead_advice(window):
+        if needs_read_ahead_advice(device_read_ahead_bytes(self._device)):
             self._advised = 0
 
     def _read_ahead(self, offset: int, end: int) -> None:
