@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from tests.helpers import (
     random_layers,
     random_tokens,
 )
-from tests.test_tenants import extents_of, open_cache, tenant_id
+from tests.test_tenants import extents_of, open_cache, tenant_id, wait_for
 
 TOKENS = 64  # one block: one extent per prefix
 
@@ -116,6 +117,35 @@ def test_loads_closed_while_a_batch_waits_are_written_in_a_transaction_per_tenan
     # The next load starts a new batch.
     load_all(a, a_tokens[2])
     assert len(tasks) == 2
+
+
+def test_loads_an_engine_step_apart_share_one_batch(cache: TenantKV, clock: ManualClock) -> None:
+    """An engine loads once per step (tens of milliseconds apart): a batch waits long enough
+    (``BOOKKEEPING_DELAY_S``) to take several such loads, so their records cost one write, not
+    a write each beside the engine's next steps."""
+    ns, tokens, ids = _prefixes(cache, "a", (1, 2))
+    stored = last_used(cache)
+    runtime = cache.context.runtime
+    handed_over = []
+    submit = runtime.submit_background
+
+    def counted(task: Callable[..., object], *args: object) -> None:
+        handed_over.append(task)
+        submit(task, *args)
+
+    runtime.submit_background = counted  # type: ignore[method-assign]
+    times = {}
+    for step in range(5):  # 30 ms apart, as a forward step of a small model on a CPU
+        seed = 1 + step % 2
+        times[seed] = clock.advance(10.0)
+        load_all(ns, tokens[seed])
+        time.sleep(0.03)
+    wait_for(lambda: cache.context.uses.written == 5)
+    assert len(handed_over) <= 2, f"{len(handed_over)} batches for 5 loads 30 ms apart"
+    # Control: every load's use landed, each extent at its latest load.
+    used = last_used(cache)
+    for seed, extent_id in ids.items():
+        assert used[extent_id] == times[seed] > stored[extent_id]
 
 
 def test_a_batch_keeps_the_latest_use_whatever_order_loads_close_in(cache: TenantKV) -> None:

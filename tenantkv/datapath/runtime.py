@@ -26,11 +26,18 @@ from .loader import LoadStream
 from .staging import RingStats, StagingRing
 from .worker_hold import FirstLayerHold
 
-#: Bookkeeping starts no sooner than this after it was handed over: a load that follows the one
-#: that handed it over has taken its hold on the first-layer gate by then.
-BOOKKEEPING_DELAY_S = 0.02
+#: Bookkeeping starts no sooner than this after it was handed over. A load that follows the one
+#: that handed it over has taken its hold on the first-layer gate by then, and the batch of
+#: records of use it writes holds every load of that quarter second: one write transaction per
+#: tenant for all of them, not one per load. Each write is 1-2 ms of CPU, most of it Python that
+#: holds the interpreter beside the caller's own work: an engine's next forward step, which it
+#: slowed by more than its own time (vLLM on CPU, a hit every ~25 ms: 1.75x ExampleConnector's
+#: hit with a write per load at a 20 ms delay, 1.35x at this one; docs/perf.md, "vLLM: where a
+#: later turn's time goes"). Records of use drive retention and LRU eviction, which count in
+#: seconds and longer; a quarter second more before they reach the index changes neither.
+BOOKKEEPING_DELAY_S = 0.25
 #: ... and waits for loads before their first layer at most this long after it was handed over.
-BOOKKEEPING_HOLD_S = 0.5
+BOOKKEEPING_HOLD_S = 0.75
 
 
 class Runtime:
