@@ -76,9 +76,9 @@ def write_model(directory: Path) -> None:
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def worker(spec_path: str) -> None:
-    """One engine: build the LLM, run every (length, rep) miss then hit, print the timings."""
-    spec = json.loads(Path(spec_path).read_text())
+def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The engine a worker's spec names: (LLM, sampling parameters of a request with the
+    spec's connector parameters, those of a plain request)."""
     separate = spec.get("engine_core") == "separate"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,7 +86,6 @@ def worker(spec_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     transfer = None
     if spec["engine"].startswith("tenantkv"):
@@ -123,6 +122,14 @@ def worker(spec_path: str) -> None:
     # no assertion: tenantkv's connector gives the request no cache (no lookup, no save), so
     # it is a plain prefill in the same engine process, timed beside each miss
     plain = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    return llm, sampling, plain
+
+
+def worker(spec_path: str) -> None:
+    """One engine: build the LLM, run every (length, rep) miss then hit, print the timings."""
+    spec = json.loads(Path(spec_path).read_text())
+    llm, sampling, plain = build_llm(spec)
+    from vllm.inputs import TokensPrompt
 
     def ttft(prompt: list[int], params: Any = sampling) -> tuple[float, int, int]:
         started = time.perf_counter()
@@ -166,7 +173,10 @@ def run_engine(
     reps: int,
     round_: int = 0,
     engine_core: str = "in-process",
+    script: str = __file__,
 ) -> Any:
+    """Run ``script --worker SPEC`` for one engine (a cache and an assertion made for tenantkv's
+    engines) and return what it printed after ``BENCH``."""
     spec: dict[str, Any] = {"engine": engine, "model": str(model), "lengths": lengths}
     spec["reps"], spec["round"], spec["engine_core"] = reps, round_, engine_core
     work = work / f"round-{round_}"
@@ -200,7 +210,7 @@ def run_engine(
     # worker's ``os._exit`` holding its stdout open.
     with open(errors, "w") as stderr:
         worker = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(path)],
+            [sys.executable, script, "--worker", str(path)],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

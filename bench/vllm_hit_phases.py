@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""vLLM on CPU: where a later turn's hit spends its time, tenantkv's connector against vLLM's
+ExampleConnector, phase by phase.
+
+The model, engine settings and prompts are ``bench/engines_vllm.py``'s (a random 8-layer Llama,
+vLLM's CPU backend, its engine core in this process, one request at a time). For each prompt
+length, a fresh prompt is sent twice untimed (its miss stores it, its first hit waits for the
+save), then ``--reps`` later turns of it are timed one after another: each hit's whole time
+(``hit``) and, inside it, the time spent in each of these calls, summed per hit:
+
+* ``lookup``: the connector's ``get_num_new_matched_tokens`` (scheduler side);
+* ``start load``: the connector's ``start_load_kv`` (tenantkv: the namespace's lookup, plan,
+  lease and readers; ExampleConnector: its whole load, every layer read and written into the
+  pages);
+* ``layer waits``: the connector's ``wait_for_layer_load``, all layers (tenantkv: waiting for
+  the decrypting workers and one copy of each layer into the pages; ExampleConnector: none);
+* ``forward``: the model's forward (``GPUModelRunner._model_forward``), the layer waits
+  included.
+
+Engines, each in a process of its own, the order reversed every other round: ``example``,
+``tenantkv`` (this code) and ``tenantkv-books-20ms``, the same connector with the bookkeeping
+delay before this change (``BOOKKEEPING_DELAY_S`` 20 ms, ``BOOKKEEPING_HOLD_S`` 0.5 s): every
+load's record of use then written in a transaction of its own, beside the next step.
+
+Reported: min / median / max ms per (length, engine, phase), the ratios of the medians of
+whole hits (tenantkv / example, the 20 ms bookkeeping / example, tenantkv / the 20 ms
+bookkeeping), and a PNG of the hits and their phases.
+
+Run (in the engine venv, scripts/setup_engines.sh):
+    .venv-engines/bin/python bench/vllm_hit_phases.py [--lengths 256,1024] [--reps 30] \\
+        [--rounds 4] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import engines_vllm
+
+ENGINES = ("example", "tenantkv", "tenantkv-books-20ms")
+PHASES = ("hit", "lookup", "start load", "layer waits", "forward")
+
+
+def _timed(owner: type, name: str, phase: str, spent: dict[str, float]) -> None:
+    """Wrap ``owner.name`` so that each call adds its wall time to ``spent[phase]``."""
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[phase] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
+
+
+def _watch_phases(engine: str, spent: dict[str, float]) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _timed(GPUModelRunner, "_model_forward", "forward", spent)
+    if engine.startswith("tenantkv"):
+        from tenantkv.integrations.vllm.connector import TenantKVConnector as connector
+    else:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+            ExampleConnector as connector,
+        )
+    _timed(connector, "get_num_new_matched_tokens", "lookup", spent)
+    _timed(connector, "start_load_kv", "start load", spent)
+    _timed(connector, "wait_for_layer_load", "layer waits", spent)
+
+
+def worker(spec_path: str) -> None:
+    """One engine: for each length, a prompt's miss and first hit, then the timed later turns."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["engine"] == "tenantkv-books-20ms":  # before the cache opens
+        from tenantkv.datapath import runtime
+
+        runtime.BOOKKEEPING_DELAY_S, runtime.BOOKKEEPING_HOLD_S = 0.02, 0.5
+    spent: dict[str, float] = defaultdict(float)
+    _watch_phases(spec["engine"], spent)
+    llm, sampling, _plain = engines_vllm.build_llm(spec)
+    from vllm.inputs import TokensPrompt
+
+    def request(prompt: list[int]) -> int:
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
+        return int(out.num_cached_tokens)
+
+    request(list(range(1, 100)))  # warm up: first-call costs are not the connector's
+    results: dict[str, dict[str, list[float]]] = {}
+    for length in spec["lengths"]:
+        base = 1 + (length * 7 + spec["round"] * 977) % 2000
+        prompt = [(base + i * 13) % 4000 + 1 for i in range(length)]
+        request(prompt)  # the miss: stored
+        request(prompt)  # the first hit: waits for the save
+        expected = (length - 1) // 32 * 32
+        times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        for _ in range(spec["reps"]):
+            spent.clear()
+            started = time.perf_counter()
+            cached = request(prompt)
+            times["hit"].append(time.perf_counter() - started)
+            assert cached == expected, f"{spec['engine']}: hit {cached} != {expected}"
+            for phase in PHASES[1:]:
+                times[phase].append(spent.get(phase, 0.0))
+        results[str(length)] = times
+    print("BENCH " + json.dumps(results), flush=True)
+    os._exit(0)
+
+
+def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
+    from _plots import horizontal_bars
+
+    samples = {
+        f"{n} tok {engine} {phase}": [v * 1000 for v in results[engine][str(n)][phase]]
+        for n in lengths
+        for engine in ENGINES
+        if engine in results
+        for phase in ("hit", "forward", "start load")
+    }
+    horizontal_bars(path, samples, "ms (median, whiskers min-max)", "vLLM (CPU) later-turn hit")
+
+
+def main() -> None:
+    from _cli import bench_parser, int_list, write_outputs
+    from _common import format_stats_table, print_machine
+
+    parser = bench_parser(__doc__, reps=30, data_dir=False)
+    parser.add_argument("--lengths", type=int_list, default="256,1024")
+    parser.add_argument("--rounds", type=int, default=4, help="engine passes (4)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    lengths: list[int] = args.lengths
+    results: dict[str, dict[str, dict[str, list[float]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="tkv-vllm-hit-") as tmp:
+        work = Path(tmp)
+        print_machine(tmp)
+        model = work / "model"
+        engines_vllm.write_model(model)
+        for round_ in range(max(1, args.rounds)):
+            order = ENGINES if round_ % 2 == 0 else tuple(reversed(ENGINES))
+            for engine in order:
+                got = engines_vllm.run_engine(
+                    engine, model, work, lengths, args.reps, round_, script=__file__
+                )
+                merged = results.setdefault(engine, {str(n): {} for n in lengths})
+                for n in lengths:
+                    for phase, values in got[str(n)].items():
+                        merged[str(n)].setdefault(phase, []).extend(values)
+    rows = [
+        (
+            f"{n:>5} tok  {engine:<19} {phase}",
+            [v * 1000 for v in results[engine][str(n)][phase]],
+            "",
+        )
+        for n in lengths
+        for engine in ENGINES
+        for phase in PHASES
+    ]
+    print()
+    print(format_stats_table(rows, "ms", label="prompt  engine  phase", digits=1))
+    print()
+    print("ratios of median hits (same run):")
+    for n in lengths:
+
+        def hit(engine: str, n: int = n) -> float:
+            return statistics.median(results[engine][str(n)]["hit"])
+
+        print(
+            f"  {n:>5} tok: tenantkv / example {hit('tenantkv') / hit('example'):.2f}"
+            f"  books-20ms / example {hit('tenantkv-books-20ms') / hit('example'):.2f}"
+            f"  tenantkv / books-20ms {hit('tenantkv') / hit('tenantkv-books-20ms'):.2f}"
+        )
+    write_outputs(
+        args.out, "vllm_hit_phases", results, lambda png: plot(results, lengths, png), indent=1
+    )
+
+
+if __name__ == "__main__":
+    main()
