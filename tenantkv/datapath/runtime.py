@@ -31,7 +31,7 @@ from .worker_hold import FirstLayerHold
 #: records of use it writes holds every load of that quarter second: one write transaction per
 #: tenant for all of them, not one per load. Each write is 1-2 ms of CPU, most of it Python that
 #: holds the interpreter beside the caller's own work: an engine's next forward step, which it
-#: slowed by more than its own time (vLLM on CPU, a later turn's hit every 25-35 ms: 0.92-0.93x
+#: slowed by more than its own time (vLLM on CPU, a later turn's hit every 25-35 ms: 0.92-1.00x
 #: the time with a write per load at a 20 ms delay, ``bench/vllm_hit_phases.py``; docs/perf.md,
 #: "vLLM: where a later turn's time goes"). Records of use drive retention and LRU eviction,
 #: which count in seconds and longer; a quarter second more before they reach the index changes
