@@ -59,6 +59,19 @@ from pathlib import Path
 from typing import Any
 
 ENGINES = ("none", "example", "tenantkv", "tenantkv-buffered")
+BLOCK_TOKENS = 32  # vLLM's block size here
+
+
+def fresh_prompt(length: int, rep: int, round_: int) -> list[int]:
+    """A prompt of ``length`` tokens that no other (length, rep, round) of a run sends."""
+    base = 1 + (length * 7 + rep * 131 + round_ * 977) % 2000
+    return [(base + i * 13) % 4000 + 1 for i in range(length)]
+
+
+def cached_on_hit(length: int) -> int:
+    """Tokens a hit of a ``length``-token prompt takes from the connector: its full blocks
+    before the last token (the last token is always computed)."""
+    return (length - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def write_model(directory: Path) -> None:
@@ -107,7 +120,7 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=4096,
-        block_size=32,
+        block_size=BLOCK_TOKENS,
         kv_transfer_config=transfer,
         enforce_eager=True,
         enable_prefix_caching=False,
@@ -141,8 +154,7 @@ def worker(spec_path: str) -> None:
     for length in spec["lengths"]:
         times: dict[str, list[float]] = {"miss": [], "hit": []}
         for rep in range(spec["reps"]):
-            base = 1 + (length * 7 + rep * 131 + spec.get("round", 0) * 977) % 2000
-            prompt = [(base + i * 13) % 4000 + 1 for i in range(length)]
+            prompt = fresh_prompt(length, rep, spec.get("round", 0))
             in_process = spec["engine"].startswith("tenantkv")
             other = [(t + 2003) % 4000 + 1 for t in prompt]  # another fresh prompt
             if in_process and rep % 2 == 1:  # alternate: plain first on odd reps
@@ -153,7 +165,7 @@ def worker(spec_path: str) -> None:
             if in_process and rep % 2 == 0:
                 times.setdefault("plain", []).append(ttft(other, plain)[0])
             assert cached_miss == 0, f"{spec['engine']}: a fresh prompt hit {cached_miss}"
-            expected = (length - 1) // 32 * 32 if spec["engine"] != "none" else 0
+            expected = cached_on_hit(length) if spec["engine"] != "none" else 0
             assert cached_hit == expected, f"{spec['engine']}: hit {cached_hit} != {expected}"
             assert cached_later == expected, f"{spec['engine']}: {cached_later} != {expected}"
             assert first == again == third, f"{spec['engine']}: the hit changed the first token"

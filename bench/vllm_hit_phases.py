@@ -98,11 +98,10 @@ def worker(spec_path: str) -> None:
     request(list(range(1, 100)))  # warm up: first-call costs are not the connector's
     results: dict[str, dict[str, list[float]]] = {}
     for length in spec["lengths"]:
-        base = 1 + (length * 7 + spec["round"] * 977) % 2000
-        prompt = [(base + i * 13) % 4000 + 1 for i in range(length)]
+        prompt = engines_vllm.fresh_prompt(length, 0, spec["round"])
         request(prompt)  # the miss: stored
         request(prompt)  # the first hit: waits for the save
-        expected = (length - 1) // 32 * 32
+        expected = engines_vllm.cached_on_hit(length)
         times: dict[str, list[float]] = {phase: [] for phase in PHASES}
         for _ in range(spec["reps"]):
             spent.clear()
