@@ -46,7 +46,8 @@ from typing import Any
 
 import engines_vllm
 
-ENGINES = ("example", "tenantkv", "tenantkv-books-20ms")
+ENGINES = ("example", "tenantkv", "tenantkv-openmp-teams", "tenantkv-books-20ms")
+DEFAULT_ENGINES = "example,tenantkv,tenantkv-openmp-teams"
 PHASES = ("hit", "lookup", "start load", "layer waits", "forward")
 
 
@@ -86,6 +87,10 @@ def worker(spec_path: str) -> None:
         from tenantkv.datapath import runtime
 
         runtime.BOOKKEEPING_DELAY_S, runtime.BOOKKEEPING_HOLD_S = 0.02, 0.5
+    if spec["engine"] == "tenantkv-openmp-teams":  # before any of the cache's threads starts
+        from tenantkv import openmp_threads
+
+        openmp_threads.ONE_THREAD_ON_CACHE_THREADS = False
     spent: dict[str, float] = defaultdict(float)
     _watch_phases(spec["engine"], spent)
     llm, sampling, _plain = engines_vllm.build_llm(spec)
@@ -116,14 +121,13 @@ def worker(spec_path: str) -> None:
     os._exit(0)
 
 
-def plot(results: dict[str, Any], lengths: list[int], path: Path) -> None:
+def plot(results: dict[str, Any], engines: tuple[str, ...], lengths: list[int], path: Path) -> None:
     from _plots import horizontal_bars
 
     samples = {
         f"{n} tok {engine} {phase}": [v * 1000 for v in results[engine][str(n)][phase]]
         for n in lengths
-        for engine in ENGINES
-        if engine in results
+        for engine in engines
         for phase in ("hit", "forward", "start load")
     }
     horizontal_bars(path, samples, "ms (median, whiskers min-max)", "vLLM (CPU) later-turn hit")
@@ -136,12 +140,21 @@ def main() -> None:
     parser = bench_parser(__doc__, reps=30, data_dir=False)
     parser.add_argument("--lengths", type=int_list, default="256,1024")
     parser.add_argument("--rounds", type=int, default=4, help="engine passes (4)")
+    parser.add_argument(
+        "--engines",
+        default=DEFAULT_ENGINES,
+        help=f"comma-separated, from {','.join(ENGINES)} (default {DEFAULT_ENGINES})",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
     lengths: list[int] = args.lengths
+    engines = tuple(e for e in args.engines.split(",") if e)
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not {"example", "tenantkv"} <= set(engines):
+        parser.error(f"--engines: needs example and tenantkv, knows {ENGINES}; got {engines}")
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     with tempfile.TemporaryDirectory(prefix="tkv-vllm-hit-") as tmp:
         work = Path(tmp)
@@ -149,7 +162,7 @@ def main() -> None:
         model = work / "model"
         engines_vllm.write_model(model)
         for round_ in range(max(1, args.rounds)):
-            order = ENGINES if round_ % 2 == 0 else tuple(reversed(ENGINES))
+            order = engines if round_ % 2 == 0 else tuple(reversed(engines))
             for engine in order:
                 got = engines_vllm.run_engine(
                     engine, model, work, lengths, args.reps, round_, script=__file__
@@ -165,7 +178,7 @@ def main() -> None:
             "",
         )
         for n in lengths
-        for engine in ENGINES
+        for engine in engines
         for phase in PHASES
     ]
     print()
@@ -177,13 +190,19 @@ def main() -> None:
         def hit(engine: str, n: int = n) -> float:
             return statistics.median(results[engine][str(n)]["hit"])
 
-        print(
-            f"  {n:>5} tok: tenantkv / example {hit('tenantkv') / hit('example'):.2f}"
-            f"  books-20ms / example {hit('tenantkv-books-20ms') / hit('example'):.2f}"
-            f"  tenantkv / books-20ms {hit('tenantkv') / hit('tenantkv-books-20ms'):.2f}"
-        )
+        ratios = [f"{e} / example {hit(e) / hit('example'):.2f}" for e in engines if e != "example"]
+        ratios += [
+            f"tenantkv / {e} {hit('tenantkv') / hit(e):.2f}"
+            for e in engines
+            if e not in ("example", "tenantkv")
+        ]
+        print(f"  {n:>5} tok: " + "  ".join(ratios))
     write_outputs(
-        args.out, "vllm_hit_phases", results, lambda png: plot(results, lengths, png), indent=1
+        args.out,
+        "vllm_hit_phases",
+        results,
+        lambda png: plot(results, engines, lengths, png),
+        indent=1,
     )
 
 

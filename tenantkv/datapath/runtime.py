@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..config import CacheConfig
 from ..errors import CacheClosedError
+from ..openmp_threads import pool_initializer
 from .buffers import RecyclingPool
 from .cpu_pinning import CpuPinning, pinning_for_pool
 from .first_layers import FirstLayerGate
@@ -67,7 +68,9 @@ class Runtime:
         )
         # One thread: bookkeeping that waits for a first layer never holds a load's worker;
         # it keeps up with many small loads because each task writes a batch of them.
-        self.bookkeeping_executor = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-books")
+        self.bookkeeping_executor = ThreadPoolExecutor(
+            1, thread_name_prefix="tenantkv-books", initializer=pool_initializer()
+        )
         #: Loads before their first layer; bookkeeping waits for them (first_layers.py).
         self.first_layers = FirstLayerGate()
         self._closing = threading.Event()
@@ -155,5 +158,7 @@ def _pool(threads: int, name: str, pinning: CpuPinning | None) -> ThreadPoolExec
     return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_initializer(pinning))
 
 
-def _initializer(pinning: CpuPinning | None) -> Callable[[], None] | None:
-    return pinning.pin_current_thread if pinning is not None else None
+def _initializer(pinning: CpuPinning | None) -> Callable[[], None]:
+    """Each pool thread runs torch's kernels on itself alone (``openmp_threads.py``: no OpenMP
+    team beside the model's), then takes its CPU (if pinned)."""
+    return pool_initializer(pinning.pin_current_thread if pinning is not None else None)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import TenantNotFoundError
+from ...openmp_threads import use_one_openmp_thread
 from ..engine_identity import ENGINE_FAILURES, EngineNamespaces
 from ..paged_kv import PagedLayer, RequestBlocks
 from .metadata import SaveSpec
@@ -136,6 +137,9 @@ class BackgroundSaves:
     # ---- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        # Gathering rows and checking them are torch kernels: on this thread alone, so that no
+        # OpenMP team of its own slows the engine's forward (openmp_threads.py).
+        use_one_openmp_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

@@ -46,6 +46,7 @@ import torch
 from ...datapath.loader import LoadStream
 from ...errors import InvalidRequestError, TenantKVError
 from ...layout import KVLayout, Layer
+from ...openmp_threads import pool_initializer
 from ..engine_identity import EngineNamespaces
 from ..paged_kv import PagedLayer, RequestBlocks
 from .metadata import LoadSpec, TenantKVConnectorMetadata, TenantKVWorkerMetadata
@@ -105,7 +106,9 @@ class WorkerSide:
         self._with_saves: set[str] = set()  # requests given a save (their pages are held)
         self._finished_saving: set[str] = set()  # finished requests whose saves still run
         self._failures = _Failures()
-        self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="tenantkv-vllm-load")
+        self._async_pool = ThreadPoolExecutor(  # its kernels on itself alone: openmp_threads.py
+            1, thread_name_prefix="tenantkv-vllm-load", initializer=pool_initializer()
+        )
         self._finished_lock = threading.Lock()
         self._finished_loads: set[str] = set()
 
