@@ -17,8 +17,11 @@ connector in a process-wide global): ``none`` (no connector: every request compu
 encryption, no tenants), ``tenantkv`` (this connector: signed assertion verified, keyed
 prefix hashes, AES-GCM segments, SQLite index; durable stores written with ``O_DIRECT``, the
 default), ``tenantkv-buffered`` (the same with ``direct_writes=False``: extents written through
-the page cache, as ExampleConnector's files are, so the hit reads memory instead of the disk).
-Every hit's first token is checked against the miss's.
+the page cache, as ExampleConnector's files are, so the hit reads memory instead of the disk),
+and, run only when named in ``--engines``, ``tenantkv-openmp-teams`` (the same-run baseline of
+the cache's threads left at torch's default OpenMP count, each free to start an OpenMP team
+beside the model's: ``tenantkv/openmp_threads.py``). Every hit's first token is checked against
+the miss's.
 
 Reported: min / median / max ms per (engine, length, miss|hit); the hit/miss ratio within each
 engine, tenantkv's hit against ExampleConnector's hit, and a turn's miss + hit against
@@ -58,7 +61,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("none", "example", "tenantkv", "tenantkv-buffered")
+ENGINES = ("none", "example", "tenantkv", "tenantkv-buffered", "tenantkv-openmp-teams")
+DEFAULT_ENGINES = "none,example,tenantkv,tenantkv-buffered"
 BLOCK_TOKENS = 32  # vLLM's block size here
 
 
@@ -100,6 +104,10 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    if spec["engine"] == "tenantkv-openmp-teams":  # before any of the cache's threads starts
+        from tenantkv import openmp_threads
+
+        openmp_threads.ONE_THREAD_ON_CACHE_THREADS = False
     transfer = None
     if spec["engine"].startswith("tenantkv"):
         transfer = KVTransferConfig(
@@ -267,8 +275,9 @@ def main() -> None:
     parser.add_argument("--lengths", type=int_list, default="256,1024,2048")
     parser.add_argument(
         "--engines",
-        default=",".join(ENGINES),
-        help="engines to run, comma-separated (ratios of engines not run are left out)",
+        default=DEFAULT_ENGINES,
+        help=f"engines to run, comma-separated, from {','.join(ENGINES)} (default"
+        f" {DEFAULT_ENGINES}; ratios of engines not run are left out)",
     )
     parser.add_argument(
         "--rounds",
@@ -318,7 +327,7 @@ def main() -> None:
                 ):
                     continue
                 values = [v * 1000 for v in results[engine][str(n)][kind]]
-                rows.append((f"{n:>5} tok  {engine:<17} {kind}", values, ""))
+                rows.append((f"{n:>5} tok  {engine:<21} {kind}", values, ""))
     print()
     print(format_stats_table(rows, "ms", label="prompt  engine  request", digits=1))
     print()
@@ -341,12 +350,24 @@ def main() -> None:
                 ("example", "hit-again"),
             ),
             "buffered hit / example hit": (("tenantkv-buffered", "hit"), ("example", "hit")),
+            "tenantkv hit-again / openmp-teams'": (
+                ("tenantkv", "hit-again"),
+                ("tenantkv-openmp-teams", "hit-again"),
+            ),
+            "openmp-teams hit-again / example's": (
+                ("tenantkv-openmp-teams", "hit-again"),
+                ("example", "hit-again"),
+            ),
             "tenantkv hit / prefill": (("tenantkv", "hit"), ("none", "miss")),
             "tenantkv miss / prefill": (("tenantkv", "miss"), ("none", "miss")),
             # the same engine process, plain requests alternating with the misses: robust to
             # the machine's load drifting between engine processes
             "tenantkv miss / in-process prefill": (("tenantkv", "miss"), ("tenantkv", "plain")),
             "tenantkv hit / in-process prefill": (("tenantkv", "hit"), ("tenantkv", "plain")),
+            "openmp-teams miss / in-process prefill": (
+                ("tenantkv-openmp-teams", "miss"),
+                ("tenantkv-openmp-teams", "plain"),
+            ),
         }
         ratios = {
             name: med(*top) / med(*bottom)

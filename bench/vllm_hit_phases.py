@@ -87,10 +87,7 @@ def worker(spec_path: str) -> None:
         from tenantkv.datapath import runtime
 
         runtime.BOOKKEEPING_DELAY_S, runtime.BOOKKEEPING_HOLD_S = 0.02, 0.5
-    if spec["engine"] == "tenantkv-openmp-teams":  # before any of the cache's threads starts
-        from tenantkv import openmp_threads
-
-        openmp_threads.ONE_THREAD_ON_CACHE_THREADS = False
+    # (tenantkv-openmp-teams: build_llm turns the one-thread setting off)
     spent: dict[str, float] = defaultdict(float)
     _watch_phases(spec["engine"], spent)
     llm, sampling, _plain = engines_vllm.build_llm(spec)

@@ -31,9 +31,11 @@ from .keyring import Keyring
 logger = logging.getLogger("tenantkv")
 
 DEFAULT_LEASE_SECONDS = 60.0
-#: How long a new lease waits before its row is written: past a load's first layers, so the
-#: write does not compete with them for the cores and the interpreter; a load that ends sooner
-#: writes no row at all. Leases taken meanwhile are written together, in one transaction.
+#: How old a lease is when its row is written: past a load's first layers, so the write does
+#: not compete with them for the cores and the interpreter, and a load that ends sooner writes
+#: no row at all (nor deletes one at its close). Rows are written at most once per this delay,
+#: each in one transaction with every other lease as old, so a lease's row is written when it
+#: is between one and two delays old.
 LEASE_WRITE_DELAY_S = 0.02
 
 
@@ -47,11 +49,17 @@ class LeaseKeeper:
 
     A lease holds on this node from the moment it is taken (:meth:`take`, no I/O: the load's
     first layer does not wait on an index write); its row, which every other node honours, is
-    written shortly after, in the background, together with the others taken meanwhile
-    (:meth:`persist_pending`, ``LEASE_WRITE_DELAY_S`` later). Until the row commits, another
-    node could remove the extent; the load then still reads it through the files it already
-    opened (POSIX keeps unlinked files readable), or fails with a typed error -- never wrong
-    bytes. Every check of this node adds its local holds to the rows (:meth:`held`).
+    written in the background once the lease is ``LEASE_WRITE_DELAY_S`` old, together with the
+    others as old (:meth:`persist_pending`). Until the row commits, another node could remove
+    the extent; the load then still reads it through the files it already opened (POSIX keeps
+    unlinked files readable), or fails with a typed error -- never wrong bytes. Every check of
+    this node adds its local holds to the rows (:meth:`held`).
+
+    Why by age: an engine's hits come one step apart (every 20-30 ms), each load shorter than
+    that. Writing every lease unwritten when the delay after the *first* one ran out wrote the
+    row of the next hit's lease, taken a moment before, and that load's close then deleted it:
+    two index writes for most hits, the deletion on the engine's thread inside its step
+    (docs/perf.md, "vLLM: the OpenMP teams of the cache's threads").
     """
 
     def __init__(
@@ -62,6 +70,7 @@ class LeaseKeeper:
         node_id: str,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if lease_seconds <= 0:
             raise ValueError("lease_seconds must be positive")
@@ -70,12 +79,13 @@ class LeaseKeeper:
         self._db = db
         self._remover = remover
         self._wall_clock = wall_clock
+        self._clock = clock  # the leases' ages
         self._lock = threading.Lock()
         # Writes of lease rows, one at a time: a release never runs before, or beside, the
         # write of the same lease's rows (which would leave a row behind until it lapsed).
         self._writes = threading.Lock()
         self._active: dict[bytes, tuple[str, ...]] = {}
-        self._unwritten: set[bytes] = set()
+        self._unwritten: dict[bytes, float] = {}  # lease -> when taken (clock)
         self.pending = threading.Event()  # set when a lease waits for its row
         remover.held = self.held
 
@@ -85,28 +95,47 @@ class LeaseKeeper:
         lease_id = secrets.token_bytes(16)
         with self._lock:
             self._active[lease_id] = tuple(dict.fromkeys(extent_ids))
-            self._unwritten.add(lease_id)
+            self._unwritten[lease_id] = self._clock()
         self.pending.set()
         return lease_id
 
-    def persist_pending(self) -> None:
-        """Write the rows of every lease still running whose rows are not written yet, in one
-        transaction (kept pending, and retried, if it fails)."""
+    def next_due(self, age: float) -> float | None:
+        """When (on ``clock``) the oldest lease without a row turns ``age`` old; None if every
+        running lease has its row."""
+        with self._lock:
+            return min(self._unwritten.values()) + age if self._unwritten else None
+
+    def persist_pending(self, min_age: float = 0.0) -> bool:
+        """Write the rows of every running lease at least ``min_age`` old whose row is not
+        written yet, in one transaction. False if that failed: the leases stay pending, to be
+        retried (they hold on this node meanwhile)."""
         with self._writes:
             with self._lock:
-                batch = {lease: self._active[lease] for lease in self._unwritten}
-                self._unwritten.clear()
+                taken_by = self._clock() - min_age
+                batch = {
+                    lease: (self._active[lease], taken)
+                    for lease, taken in self._unwritten.items()
+                    if taken <= taken_by
+                }
+                for lease in batch:
+                    del self._unwritten[lease]
             if not batch:
-                return
+                return True
             until = self._wall_clock() + self.lease_seconds
             try:
                 with self._db.write_connection(serving=True) as connection:
-                    for lease_id, extent_ids in batch.items():
+                    for lease_id, (extent_ids, _) in batch.items():
                         leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
-            except SQLAlchemyError as err:  # they hold on this node; retried next round
+            except SQLAlchemyError as err:  # they hold on this node; retried later
                 logger.warning("could not record leases for other nodes: %s", err)
                 with self._lock:
-                    self._unwritten.update(lease for lease in batch if lease in self._active)
+                    self._unwritten.update(
+                        (lease, taken)
+                        for lease, (_, taken) in batch.items()
+                        if lease in self._active
+                    )
+                return False
+            return True
 
     def release(self, lease_id: bytes, *, remove_unindexed: bool = True) -> None:
         """End a lease; then (unless the caller does it later) remove the bytes of its
@@ -114,8 +143,7 @@ class LeaseKeeper:
         with self._writes:
             with self._lock:
                 extent_ids = self._active.pop(lease_id, ())
-                unwritten = lease_id in self._unwritten
-                self._unwritten.discard(lease_id)
+                unwritten = self._unwritten.pop(lease_id, None) is not None
             if not unwritten:  # a lease whose row was never written needs no index write
                 try:
                     with self._db.write_connection(serving=True) as connection:
@@ -163,7 +191,7 @@ class LeaseKeeper:
         written, lapses)."""
         with self._lock:
             self._active.pop(lease_id, None)
-            self._unwritten.discard(lease_id)
+            self._unwritten.pop(lease_id, None)
 
     def renew(self) -> None:
         """Extend every running load's lease by a full lifetime."""
@@ -223,15 +251,28 @@ class CoordinationThread:
             try:
                 if self._keeper.pending.is_set():
                     self._keeper.pending.clear()
-                    self._stop.wait(LEASE_WRITE_DELAY_S)
-                    self._keeper.persist_pending()
+                    self._write_rows_as_leases_age()
                 if time.monotonic() >= next_round:
                     next_round = time.monotonic() + self._interval
-                    self._keeper.persist_pending()
+                    self._keeper.persist_pending(LEASE_WRITE_DELAY_S)
                     self._keeper.renew()
                     self._watcher.check()
             except SQLAlchemyError as err:
                 logger.warning("lease writes or the key-epoch check failed (retrying): %s", err)
+
+    def _write_rows_as_leases_age(self) -> None:
+        """Until no running lease lacks its row: wait for the oldest to turn
+        ``LEASE_WRITE_DELAY_S`` old (a load that ends first needs none), then write every lease
+        that old, at most once per delay. A failed write is left to the next round (or the next
+        lease taken), as the index is then failing."""
+        delay = LEASE_WRITE_DELAY_S
+        written_at = -delay
+        while (due := self._keeper.next_due(delay)) is not None:
+            if self._stop.wait(max(0.0, max(due, written_at + delay) - time.monotonic())):
+                return
+            written_at = time.monotonic()
+            if not self._keeper.persist_pending(delay):
+                return
 
     def stop(self) -> None:
         self._stop.set()
