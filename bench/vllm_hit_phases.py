@@ -17,18 +17,29 @@ save), then ``--reps`` later turns of it are timed one after another: each hit's
 * ``forward``: the model's forward (``GPUModelRunner._model_forward``), the layer waits
   included.
 
-Engines, each in a process of its own, the order reversed every other round: ``example``,
-``tenantkv`` (this code) and ``tenantkv-books-20ms``, the same connector with the bookkeeping
-delay before this change (``BOOKKEEPING_DELAY_S`` 20 ms, ``BOOKKEEPING_HOLD_S`` 0.5 s): every
-load's record of use then written in a transaction of its own, beside the next step.
+Engines (``--engines``), each in a process of its own, the order reversed every other round:
+``example``, ``tenantkv`` (this code), and two baselines of the same connector, each with one
+earlier choice put back:
+
+* ``tenantkv-openmp-teams`` (in the default set): the cache's threads run torch's kernels with
+  torch's default OpenMP count, so each that runs a parallel kernel starts an OpenMP team of its
+  own, and libgomp, then managing more threads than CPUs, has every team's threads (the
+  model's too) sleep at barriers instead of spinning (``tenantkv/openmp_threads.py``);
+* ``tenantkv-books-20ms``: the bookkeeping delay before the quarter-second batches
+  (``BOOKKEEPING_DELAY_S`` 20 ms, ``BOOKKEEPING_HOLD_S`` 0.5 s): every load's record of use
+  then written in a transaction of its own, beside the next step.
 
 Reported: min / median / max ms per (length, engine, phase), the ratios of the medians of
-whole hits (tenantkv / example, the 20 ms bookkeeping / example, tenantkv / the 20 ms
-bookkeeping), and a PNG of the hits and their phases.
+whole hits (each engine / example, tenantkv / each baseline), and a PNG of the hits and their
+phases. And the encryption's own floor, measured in the same run: the time one thread takes to
+open (AES-256-GCM, ``ExtentCipher.open_many_into``) the segments a hit loads, alone; where the
+forward keeps both of a 2-core machine's CPUs busy, each millisecond of it is a millisecond of
+the hit, so ``(example hit + AEAD) / example hit`` is the lowest ratio an encrypted load can
+reach there.
 
 Run (in the engine venv, scripts/setup_engines.sh):
     .venv-engines/bin/python bench/vllm_hit_phases.py [--lengths 256,1024] [--reps 30] \\
-        [--rounds 4] [--out DIR]
+        [--rounds 4] [--engines example,tenantkv,tenantkv-openmp-teams] [--out DIR]
 """
 
 from __future__ import annotations
@@ -118,6 +129,43 @@ def worker(spec_path: str) -> None:
     os._exit(0)
 
 
+def aead_ms(length: int, rounds: int = 15) -> float:
+    """Median ms for one thread to open the segments a later turn of ``length`` tokens loads
+    (every layer's full blocks before the last token), as the loader opens them."""
+    import secrets
+
+    import torch
+
+    from crypto.segment import ExtentCipher, SegmentContext
+    from crypto.suites import CipherSuite
+    from tenantkv.layout import KVLayout
+
+    layout = KVLayout.mha(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    size = layout.segment_bytes(engines_vllm.BLOCK_TOKENS)
+    blocks = engines_vllm.cached_on_hit(length) // engines_vllm.BLOCK_TOKENS
+    context = SegmentContext(secrets.token_bytes(16), 1, secrets.token_bytes(16))
+    cipher = ExtentCipher(
+        secrets.token_bytes(32), secrets.token_bytes(16), context, CipherSuite.AES_256_GCM
+    )
+    keys = [secrets.token_bytes(32) for _ in range(blocks)]
+    plain = memoryview(bytearray(secrets.token_bytes(size)))
+    sealed: list[memoryview] = []
+    for layer in range(layout.num_layers):
+        view = memoryview(bytearray((size + 16) * blocks))
+        for slot in range(blocks):
+            out = view[slot * (size + 16) : (slot + 1) * (size + 16)]
+            cipher.seal_into(slot, layer, keys[slot], plain, out)
+        sealed.append(view)
+    outs = [memoryview(bytearray(size)) for _ in range(blocks)]
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for layer, packed in enumerate(sealed):
+            cipher.open_many_into(0, layer, keys, packed, outs)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
 def plot(results: dict[str, Any], engines: tuple[str, ...], lengths: list[int], path: Path) -> None:
     from _plots import horizontal_bars
 
@@ -194,6 +242,14 @@ def main() -> None:
             if e not in ("example", "tenantkv")
         ]
         print(f"  {n:>5} tok: " + "  ".join(ratios))
+    print("the encryption's floor (same run): one thread opening a hit's segments, alone")
+    for n in lengths:
+        example = statistics.median(results["example"][str(n)]["hit"]) * 1000
+        opened = aead_ms(n)
+        print(
+            f"  {n:>5} tok: AEAD {opened:.2f} ms; (example hit {example:.1f} + AEAD) / example"
+            f" hit {(example + opened) / example:.3f}"
+        )
     write_outputs(
         args.out,
         "vllm_hit_phases",
