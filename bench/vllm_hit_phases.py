@@ -136,8 +136,8 @@ def aead_ms(length: int, rounds: int = 15) -> float:
 
     import torch
 
-    from crypto.segment import ExtentCipher, SegmentContext
-    from crypto.suites import CipherSuite
+    from tenantkv.crypto import CipherSuite, ExtentCipher
+    from tenantkv.crypto.segment import SegmentContext
     from tenantkv.layout import KVLayout
 
     layout = KVLayout.mha(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float32)
