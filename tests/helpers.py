@@ -50,6 +50,18 @@ def load_all(ns: tenantkv.Namespace, tokens: list[int]) -> list[tenantkv.Layer]:
     return out
 
 
+def store_and_load_checked(kv: tenantkv.TenantKV, seed: int = 3) -> None:
+    """Create tenant ``acme``, store a 256-token MLA prefix and load it back, checked: the
+    cache's pools have then run a store and a load (their threads started)."""
+    kv.create_tenant("acme")
+    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
+    tokens = random_tokens(256, seed=seed)
+    layers = random_layers(MLA_SMALL, 256, seed=seed)
+    ns.store(tokens, layers)
+    got = load_all(ns, tokens)
+    assert all(layers_equal(a, b) for a, b in zip(got, layers, strict=True))
+
+
 def layers_equal(a: tenantkv.Layer, b: tenantkv.Layer) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return torch.equal(a, b)

@@ -29,13 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 import tenantkv
 from tenantkv.datapath import cpu_pinning
 from tenantkv.datapath.cpu_pinning import CpuPinning, allowed_cpus, claims_in, pinning_for_pool
 from tenantkv.host_cpus import HostCpus
-from tests.helpers import MLA_SMALL, random_layers, random_tokens
+from tests.helpers import store_and_load_checked
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="the platform has no thread affinity"
@@ -92,22 +91,11 @@ def _affinities(pool: ThreadPoolExecutor, pinning: CpuPinning | None = None) -> 
     return [os.sched_getaffinity(t.native_id) for t in threads if t.native_id is not None]
 
 
-def _store_and_load(kv: tenantkv.TenantKV) -> None:
-    kv.create_tenant("acme")
-    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
-    tokens = random_tokens(256, seed=3)
-    layers = random_layers(MLA_SMALL, 256, seed=3)
-    ns.store(tokens, layers)
-    with ns.load(tokens) as stream:
-        got = [layer for _, layer in stream]
-    assert all(torch.equal(a, b) for a, b in zip(got, layers, strict=True))  # type: ignore[arg-type]
-
-
 @pytest.mark.usefixtures("index")
 def test_a_caches_worker_threads_are_pinned_one_per_cpu(tmp_path: Path) -> None:
     cpus = allowed_cpus()
     with tenantkv.open(tmp_path / "pinned", cpu_claim_dir=tmp_path / "claims") as kv:
-        _store_and_load(kv)
+        store_and_load_checked(kv)
         runtime = kv.context.runtime
         pools = [
             (runtime.load_executor, runtime.load_pinning),
@@ -122,7 +110,7 @@ def test_a_caches_worker_threads_are_pinned_one_per_cpu(tmp_path: Path) -> None:
             assert len({min(mask) for mask in affinities}) == min(len(affinities), len(cpus))
     # Control: unpinned threads keep the process's whole mask.
     with tenantkv.open(tmp_path / "unpinned", pin_workers=False) as kv:
-        _store_and_load(kv)
+        store_and_load_checked(kv)
         runtime = kv.context.runtime
         assert runtime.load_pinning is None and runtime.seal_pinning is None
         for pool in (runtime.load_executor, runtime.seal_executor):
@@ -140,7 +128,7 @@ def test_a_pool_with_more_threads_than_cpus_is_left_unpinned(tmp_path: Path) -> 
     with tenantkv.open(
         tmp_path / "cache", load_workers=len(cpus) + 1, seal_workers=1, cpu_claim_dir=claims
     ) as kv:
-        _store_and_load(kv)
+        store_and_load_checked(kv)
         runtime = kv.context.runtime
         assert runtime.load_pinning is None
         assert all(mask == set(cpus) for mask in _affinities(runtime.load_executor))

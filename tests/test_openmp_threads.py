@@ -17,7 +17,7 @@ import torch
 
 import tenantkv
 from tenantkv import openmp_threads
-from tests.helpers import MLA_SMALL, random_layers, random_tokens
+from tests.helpers import store_and_load_checked
 
 #: Where the count of the process's threads can be read, and torch may start a team at all.
 TEAMS_OBSERVABLE = sys.platform == "linux" and torch.get_num_threads() > 1
@@ -73,20 +73,9 @@ def _counts_per_thread(pool: ThreadPoolExecutor, threads: int) -> list[int]:
     return [f.result(timeout=10) for f in [pool.submit(count) for _ in range(threads)]]
 
 
-def _store_and_load(kv: tenantkv.TenantKV) -> None:
-    kv.create_tenant("acme")
-    ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
-    tokens = random_tokens(256, seed=5)
-    layers = random_layers(MLA_SMALL, 256, seed=5)
-    ns.store(tokens, layers)
-    with ns.load(tokens) as stream:
-        got = [layer for _, layer in stream]
-    assert all(torch.equal(a, b) for a, b in zip(got, layers, strict=True))  # type: ignore[arg-type]
-
-
 def _cache_pool_counts(root: Path) -> list[int]:
     with tenantkv.open(root, durable=False) as kv:
-        _store_and_load(kv)
+        store_and_load_checked(kv, seed=5)
         runtime = kv.context.runtime
         return [
             *_counts_per_thread(runtime.load_executor, runtime.load_threads),
