@@ -139,3 +139,41 @@ def test_a_failed_row_write_waits_for_the_next_round(
         thread.stop()
         keeper.release_all()
     assert _lease_rows(kv) == set()
+
+
+class _Watcher:
+    """Counts the key-epoch checks the coordination thread makes (its rounds)."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def check(self) -> bool:
+        self.checks += 1
+        return False
+
+
+def test_a_stream_of_loads_does_not_hold_off_the_rounds(kv: tenantkv.TenantKV) -> None:
+    """Renewals and the key-epoch check run every round even while some lease always waits
+    for its row (an engine serving without a pause)."""
+    extent, _ = _stored_extent(kv)
+    keeper = LeaseKeeper(kv.context.index, kv.context.remover, node_id="test-node")
+    watcher = _Watcher()
+    interval = 4 * LEASE_WRITE_DELAY_S
+    thread = coordination.CoordinationThread(keeper, watcher, interval=interval)  # type: ignore[arg-type]
+    stop = time.monotonic() + 12 * interval
+    thread.start()
+    try:
+        # A lease always running and waiting for its row: each next one taken before the
+        # last is released, each shorter than the delay.
+        lease = keeper.take([extent])
+        while time.monotonic() < stop:
+            time.sleep(LEASE_WRITE_DELAY_S / 4)
+            lease, last = keeper.take([extent]), lease
+            keeper.release(last)
+        keeper.release(lease)
+    finally:
+        thread.stop()
+        keeper.release_all()
+    # 12 intervals: at least a few rounds, whatever the host's scheduling.
+    assert watcher.checks >= 3
+    assert _lease_rows(kv) == set()

@@ -251,7 +251,7 @@ class CoordinationThread:
             try:
                 if self._keeper.pending.is_set():
                     self._keeper.pending.clear()
-                    self._write_rows_as_leases_age()
+                    self._write_rows_as_leases_age(until=next_round)
                 if time.monotonic() >= next_round:
                     next_round = time.monotonic() + self._interval
                     self._keeper.persist_pending(LEASE_WRITE_DELAY_S)
@@ -260,15 +260,21 @@ class CoordinationThread:
             except SQLAlchemyError as err:
                 logger.warning("lease writes or the key-epoch check failed (retrying): %s", err)
 
-    def _write_rows_as_leases_age(self) -> None:
+    def _write_rows_as_leases_age(self, until: float) -> None:
         """Until no running lease lacks its row: wait for the oldest to turn
         ``LEASE_WRITE_DELAY_S`` old (a load that ends first needs none), then write every lease
-        that old, at most once per delay. A failed write is left to the next round (or the next
-        lease taken), as the index is then failing."""
+        that old, at most once per delay. Returns at ``until``, the next round (renewals and
+        the key-epoch check must not wait for a stream of loads to pause), to be called again
+        after it. A failed write is left to the next round (or the next lease taken), as the
+        index is then failing."""
         delay = LEASE_WRITE_DELAY_S
         written_at = -delay
         while (due := self._keeper.next_due(delay)) is not None:
-            if self._stop.wait(max(0.0, max(due, written_at + delay) - time.monotonic())):
+            at = max(due, written_at + delay)
+            if self._stop.wait(max(0.0, min(at, until) - time.monotonic())):
+                return
+            if at >= until:
+                self._keeper.pending.set()  # back here once the round is done
                 return
             written_at = time.monotonic()
             if not self._keeper.persist_pending(delay):
