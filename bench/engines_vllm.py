@@ -64,6 +64,8 @@ from typing import Any
 ENGINES = ("none", "example", "tenantkv", "tenantkv-buffered", "tenantkv-openmp-teams")
 DEFAULT_ENGINES = "none,example,tenantkv,tenantkv-buffered"
 BLOCK_TOKENS = 32  # vLLM's block size here
+# The random Llama's shape (write_model), and through it the KV a hit loads (kv_layout).
+LAYERS, HIDDEN, HEADS, KV_HEADS = 8, 512, 8, 4
 
 
 def fresh_prompt(length: int, rep: int, round_: int) -> list[int]:
@@ -82,15 +84,24 @@ def write_model(directory: Path) -> None:
     from _fixtures import random_llama
 
     model = random_llama(
-        hidden_size=512,
+        hidden_size=HIDDEN,
         intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
         max_position_embeddings=4096,
         torch_dtype="float32",
     )
     model.save_pretrained(directory, safe_serialization=True)
+
+
+def kv_layout() -> Any:
+    """The model's KV as tenantkv stores it (fp32 K and V per layer)."""
+    import torch
+
+    from tenantkv.layout import KVLayout
+
+    return KVLayout.mha(LAYERS, KV_HEADS, HIDDEN // HEADS, torch.float32)
 
 
 def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:

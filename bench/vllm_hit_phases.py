@@ -134,13 +134,10 @@ def aead_ms(length: int, rounds: int = 15) -> float:
     (every layer's full blocks before the last token), as the loader opens them."""
     import secrets
 
-    import torch
-
-    from tenantkv.crypto import CipherSuite, ExtentCipher
+    from tenantkv.crypto import TAG_BYTES, CipherSuite, ExtentCipher
     from tenantkv.crypto.segment import SegmentContext
-    from tenantkv.layout import KVLayout
 
-    layout = KVLayout.mha(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    layout = engines_vllm.kv_layout()
     size = layout.segment_bytes(engines_vllm.BLOCK_TOKENS)
     blocks = engines_vllm.cached_on_hit(length) // engines_vllm.BLOCK_TOKENS
     context = SegmentContext(secrets.token_bytes(16), 1, secrets.token_bytes(16))
@@ -148,13 +145,11 @@ def aead_ms(length: int, rounds: int = 15) -> float:
         secrets.token_bytes(32), secrets.token_bytes(16), context, CipherSuite.AES_256_GCM
     )
     keys = [secrets.token_bytes(32) for _ in range(blocks)]
-    plain = memoryview(bytearray(secrets.token_bytes(size)))
+    plains = [memoryview(secrets.token_bytes(size))] * blocks
     sealed: list[memoryview] = []
     for layer in range(layout.num_layers):
-        view = memoryview(bytearray((size + 16) * blocks))
-        for slot in range(blocks):
-            out = view[slot * (size + 16) : (slot + 1) * (size + 16)]
-            cipher.seal_into(slot, layer, keys[slot], plain, out)
+        view = memoryview(bytearray((size + TAG_BYTES) * blocks))
+        cipher.seal_many_into(0, layer, keys, plains, view)
         sealed.append(view)
     outs = [memoryview(bytearray(size)) for _ in range(blocks)]
     times = []
