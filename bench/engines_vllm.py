@@ -115,10 +115,15 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    if spec["engine"] == "tenantkv-openmp-teams":  # before any of the cache's threads starts
+    # The baselines (an earlier choice put back), set before the connector opens the cache.
+    if spec["engine"] == "tenantkv-openmp-teams":
         from tenantkv import openmp_threads
 
         openmp_threads.ONE_THREAD_ON_CACHE_THREADS = False
+    elif spec["engine"] == "tenantkv-books-20ms":  # bench/vllm_hit_phases.py's
+        from tenantkv.datapath import runtime
+
+        runtime.BOOKKEEPING_DELAY_S, runtime.BOOKKEEPING_HOLD_S = 0.02, 0.5
     transfer = None
     if spec["engine"].startswith("tenantkv"):
         transfer = KVTransferConfig(

@@ -94,11 +94,6 @@ def _watch_phases(engine: str, spent: dict[str, float]) -> None:
 def worker(spec_path: str) -> None:
     """One engine: for each length, a prompt's miss and first hit, then the timed later turns."""
     spec = json.loads(Path(spec_path).read_text())
-    if spec["engine"] == "tenantkv-books-20ms":  # before the cache opens
-        from tenantkv.datapath import runtime
-
-        runtime.BOOKKEEPING_DELAY_S, runtime.BOOKKEEPING_HOLD_S = 0.02, 0.5
-    # (tenantkv-openmp-teams: build_llm turns the one-thread setting off)
     spent: dict[str, float] = defaultdict(float)
     _watch_phases(spec["engine"], spent)
     llm, sampling, _plain = engines_vllm.build_llm(spec)
