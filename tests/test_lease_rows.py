@@ -13,8 +13,8 @@ import tenantkv
 from tenantkv.components import coordination
 from tenantkv.components.coordination import LEASE_WRITE_DELAY_S, LeaseKeeper
 from tenantkv.index import leases
-from tenantkv.index.schema import Extent, Lease
-from tests.helpers import MLA_SMALL, random_layers, random_tokens
+from tenantkv.index.schema import Lease
+from tests.helpers import MLA_SMALL, ManualClock, last_used, random_layers, random_tokens
 
 
 def _stored_extent(kv: tenantkv.TenantKV) -> tuple[str, list[int]]:
@@ -22,8 +22,7 @@ def _stored_extent(kv: tenantkv.TenantKV) -> tuple[str, list[int]]:
     ns = kv.namespace("acme", model="m", layout=MLA_SMALL)
     tokens = random_tokens(64, seed=11)
     ns.store(tokens, random_layers(MLA_SMALL, 64, seed=11))
-    with kv.context.index.read() as session:
-        (extent,) = session.scalars(select(Extent.id)).all()
+    (extent,) = last_used(kv)  # the one extent's id
     return extent, tokens
 
 
@@ -34,16 +33,15 @@ def _lease_rows(kv: tenantkv.TenantKV) -> set[bytes]:
 
 def test_a_lease_gets_its_row_once_it_is_old_enough(kv: tenantkv.TenantKV) -> None:
     extent, _ = _stored_extent(kv)
-    now = [1000.0]
-    keeper = LeaseKeeper(
-        kv.context.index, kv.context.remover, node_id="test-node", clock=lambda: now[0]
-    )
+    clock = ManualClock()
+    started = clock.now
+    keeper = LeaseKeeper(kv.context.index, kv.context.remover, node_id="test-node", clock=clock)
     assert keeper.next_due(LEASE_WRITE_DELAY_S) is None
     older = keeper.take([extent])
-    now[0] += 0.6 * LEASE_WRITE_DELAY_S
+    clock.advance(0.6 * LEASE_WRITE_DELAY_S)
     younger = keeper.take([extent])
-    assert keeper.next_due(LEASE_WRITE_DELAY_S) == pytest.approx(1000.0 + LEASE_WRITE_DELAY_S)
-    now[0] += 0.6 * LEASE_WRITE_DELAY_S  # older: 1.2 delays old; younger: 0.6
+    assert keeper.next_due(LEASE_WRITE_DELAY_S) == pytest.approx(started + LEASE_WRITE_DELAY_S)
+    clock.advance(0.6 * LEASE_WRITE_DELAY_S)  # older: 1.2 delays old; younger: 0.6
     assert keeper.persist_pending(LEASE_WRITE_DELAY_S)
     assert _lease_rows(kv) == {older}  # the younger lease waits for its age
     # A lease that ends before its age needs no row, and its release writes none.
@@ -53,7 +51,7 @@ def test_a_lease_gets_its_row_once_it_is_old_enough(kv: tenantkv.TenantKV) -> No
     # Control: a young lease still running gets its row once it is old enough.
     third = keeper.take([extent])
     assert keeper.persist_pending(LEASE_WRITE_DELAY_S) and _lease_rows(kv) == {older}
-    now[0] += LEASE_WRITE_DELAY_S
+    clock.advance(LEASE_WRITE_DELAY_S)
     assert keeper.persist_pending(LEASE_WRITE_DELAY_S)
     assert _lease_rows(kv) == {older, third}
     keeper.release(older)

@@ -105,7 +105,7 @@ class LeaseKeeper:
         with self._lock:
             return min(self._unwritten.values()) + age if self._unwritten else None
 
-    def persist_pending(self, min_age: float = 0.0) -> bool:
+    def persist_pending(self, min_age: float) -> bool:
         """Write the rows of every running lease at least ``min_age`` old whose row is not
         written yet, in one transaction. False if that failed: the leases stay pending, to be
         retried (they hold on this node meanwhile)."""
