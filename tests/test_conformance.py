@@ -7,9 +7,11 @@ is tests_engines/test_conformance.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
+from collections import Counter
 from typing import Any, ClassVar
 
 import httpx
@@ -26,7 +28,14 @@ from tenantkv.conformance.report import (
     judge,
     timing_outcome,
 )
-from tenantkv.conformance.suite import AttackMaterial, Plan, Suite, Target, prompt
+from tenantkv.conformance.suite import (
+    AttackMaterial,
+    Plan,
+    Suite,
+    Target,
+    prompt,
+    timing_round,
+)
 
 
 def test_judge_pairs_each_probe_with_its_control() -> None:
@@ -128,11 +137,19 @@ class ModelDeployment:
     TOKENS = 96
 
     def __init__(
-        self, leak: str | None = None, *, usage: bool = True, prefill: float = 0.0
+        self,
+        leak: str | None = None,
+        *,
+        usage: bool = True,
+        prefill: float = 0.0,
+        after_miss: float = 0.0,
     ) -> None:
         self.leak = leak
         self.usage = usage  # whether answers report cached tokens
         self.prefill = prefill  # seconds a miss takes (a hit a tenth of it)
+        # seconds added to the request after a miss (its store, still running in the background)
+        self.after_miss = after_miss
+        self.missed_last = False
         self.vllm: set[tuple[str, str, str]] = set()
         self.tenantkv: set[tuple[tuple[str, str], str, str]] = set()
         self.resets = 0
@@ -175,7 +192,11 @@ class ModelDeployment:
         self.vllm.add((salt, model, text))
         if identity is not None:
             self.tenantkv.add((identity, model, text))
-        time.sleep(self.prefill / 10 if hit else self.prefill)
+        time.sleep(
+            (self.prefill / 10 if hit else self.prefill)
+            + (self.after_miss if self.missed_last else 0.0)
+        )
+        self.missed_last = not hit
         usage: dict[str, Any] = {"prompt_tokens": self.TOKENS + 1}
         if self.usage:
             usage["prompt_tokens_details"] = {"cached_tokens": self.TOKENS if hit else 0}
@@ -301,6 +322,36 @@ def test_the_timing_audit_passes_isolation_and_reads_hits_where_usage_is_silent(
     live = [c for c in report.cases if c.outcome is not Outcome.SKIPPED]
     assert len(live) == 6 and all(c.hits_from == "timing" for c in live)
     assert {c.outcome for c in live} == {Outcome.PASS}, report.table()
+
+
+def test_the_timing_audits_cross_groups_follow_the_same_requests() -> None:
+    """Each cross group follows the owner's miss in half the rounds and the other cross
+    request in the rest, and holds each position as often; the hit comes after the store."""
+    rounds = [timing_round(i) for i in range(6)]
+    before: dict[str, Counter[str]] = {"cross_stored": Counter(), "cross_fresh": Counter()}
+    at: dict[str, Counter[int]] = {"cross_stored": Counter(), "cross_fresh": Counter()}
+    for sent in rounds:
+        groups = [group for group, _ in sent]
+        assert groups[0] == "same_fresh" and groups[-1] == "same_hit"
+        assert sent[0][1] == sent[-1][1]  # the owner repeats the prompt it stored
+        for position, group in enumerate(groups):
+            if group in before:
+                before[group][groups[position - 1]] += 1
+                at[group][position] += 1
+    assert before["cross_stored"] == Counter(same_fresh=3, cross_fresh=3)
+    assert before["cross_fresh"] == Counter(same_fresh=3, cross_stored=3)
+    assert at["cross_stored"] == at["cross_fresh"] == Counter({1: 3, 2: 3})
+
+
+def test_background_work_after_a_miss_is_not_read_as_a_leak() -> None:
+    """A request after a miss is slower (the miss's store still runs). With isolation intact
+    the cross groups must not separate: the old order (all three reversed every other round)
+    put only ``cross_fresh`` after the owner's hit: KS D >= 0.5, p < 1e-4 at 40, a false FAIL.
+    The control still separates (the owner's hit is fast even after a miss)."""
+    plan = dataclasses.replace(TIMED, samples=40)
+    report = run_suite(ModelDeployment(usage=False, prefill=0.02, after_miss=0.01), plan=plan)
+    assert report.timing is not None and report.timing.outcome is Outcome.PASS, report.table()
+    assert report.timing.cross_p is not None and report.timing.cross_p > 1e-3
 
 
 def test_the_timing_audit_fails_a_shared_prefix_cache() -> None:
