@@ -3,6 +3,7 @@ old: loads that end sooner, an engine's hits one step apart, write no row and de
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +141,53 @@ def test_a_failed_row_write_waits_for_the_next_round(
         thread.stop()
         keeper.release_all()
     assert _lease_rows(kv) == set()
+
+
+def test_a_release_does_not_wait_for_its_row_being_written(
+    kv: tenantkv.TenantKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease released while the coordination thread writes its row (the index stalling)
+    returns at once; the writer deletes the row once written, so none is left behind."""
+    extent, _ = _stored_extent(kv)
+    clock = ManualClock()
+    keeper = LeaseKeeper(kv.context.index, kv.context.remover, node_id="test-node", clock=clock)
+    writing, go_on = threading.Event(), threading.Event()
+    acquire, release = leases.acquire, leases.release
+    deleted: list[bytes] = []
+
+    def stalled(*args: object, **kwargs: object) -> None:
+        writing.set()
+        assert go_on.wait(10)
+        acquire(*args, **kwargs)  # type: ignore[arg-type]
+
+    def counted(connection: object, lease_id: bytes) -> None:
+        deleted.append(lease_id)
+        release(connection, lease_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(leases, "acquire", stalled)
+    monkeypatch.setattr(leases, "release", counted)
+    lease = keeper.take([extent])
+    clock.advance(LEASE_WRITE_DELAY_S)
+    written: list[bool] = []
+    writer = threading.Thread(target=lambda: written.append(keeper.persist_pending(0.0)))
+    writer.start()
+    try:
+        assert writing.wait(10)
+        started = time.monotonic()
+        keeper.release(lease)  # while its row is being written
+        assert time.monotonic() - started < 1.0, "the release waited for the row's write"
+        assert deleted == [] and keeper.active() == {}
+    finally:
+        go_on.set()
+        writer.join(10)
+    assert written == [True]
+    assert deleted == [lease] and _lease_rows(kv) == set()  # the writer deleted it
+    # Control: a lease released after its row was written deletes the row itself.
+    second = keeper.take([extent])
+    clock.advance(LEASE_WRITE_DELAY_S)
+    assert keeper.persist_pending(LEASE_WRITE_DELAY_S) and _lease_rows(kv) == {second}
+    keeper.release(second)
+    assert deleted == [lease, second] and _lease_rows(kv) == set()
 
 
 class _Watcher:

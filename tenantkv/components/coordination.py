@@ -53,7 +53,9 @@ class LeaseKeeper:
     others as old (:meth:`persist_pending`). Until the row commits, another node could remove
     the extent; the load then still reads it through the files it already opened (POSIX keeps
     unlinked files readable), or fails with a typed error -- never wrong bytes. Every check of
-    this node adds its local holds to the rows (:meth:`held`).
+    this node adds its local holds to the rows (:meth:`held`). A release deletes the lease's
+    row on the caller's thread, unless the row is being written right then: the writer deletes
+    it after (:meth:`release`), so that a stream's close never queues behind a stalled write.
 
     Why by age: an engine's hits come one step apart (every 20-30 ms), each load shorter than
     that. Writing every lease unwritten when the delay after the *first* one ran out wrote the
@@ -81,11 +83,17 @@ class LeaseKeeper:
         self._wall_clock = wall_clock
         self._clock = clock  # the leases' ages
         self._lock = threading.Lock()
-        # Writes of lease rows, one at a time: a release never runs before, or beside, the
-        # write of the same lease's rows (which would leave a row behind until it lapsed).
+        # Writes of lease rows and renewals, one at a time (the coordination thread's).
         self._writes = threading.Lock()
         self._active: dict[bytes, tuple[str, ...]] = {}
         self._unwritten: dict[bytes, float] = {}  # lease -> when taken (clock)
+        # Leases whose rows are being written now, and those of them released meanwhile: the
+        # writer deletes their rows once its write committed. A release never waits for a
+        # write (on an index that stalls, a stream's close would wait out the writer's
+        # timeout and then its own), nor deletes a row before it is written (an INSERT after
+        # the DELETE would leave the row behind until it lapsed).
+        self._writing: set[bytes] = set()
+        self._released_while_writing: set[bytes] = set()
         self.pending = threading.Event()  # set when a lease waits for its row
         remover.held = self.held
 
@@ -119,6 +127,7 @@ class LeaseKeeper:
                 }
                 for lease in batch:
                     del self._unwritten[lease]
+                self._writing.update(batch)
             if not batch:
                 return True
             until = self._wall_clock() + self.lease_seconds
@@ -129,28 +138,50 @@ class LeaseKeeper:
             except SQLAlchemyError as err:  # they hold on this node; retried later
                 logger.warning("could not record leases for other nodes: %s", err)
                 with self._lock:
+                    self._writing.difference_update(batch)
+                    self._released_while_writing.difference_update(batch)  # no row to delete
                     self._unwritten.update(
                         (lease, taken)
                         for lease, (_, taken) in batch.items()
                         if lease in self._active
                     )
                 return False
+            with self._lock:
+                self._writing.difference_update(batch)
+                released = self._released_while_writing & batch.keys()
+                self._released_while_writing -= released
+            for lease_id in released:  # released while their rows were written
+                self._delete_row(lease_id)
             return True
+
+    def _delete_row(self, lease_id: bytes) -> bool:
+        """Delete a released lease's row; False if the index refused (the row then lapses)."""
+        try:
+            with self._db.write_connection(serving=True) as connection:
+                leases.release(connection, lease_id)
+        except SQLAlchemyError as err:  # the lease lapses by itself
+            logger.warning("could not release a lease (it lapses in time): %s", err)
+            return False
+        return True
 
     def release(self, lease_id: bytes, *, remove_unindexed: bool = True) -> None:
         """End a lease; then (unless the caller does it later) remove the bytes of its
-        extents that were deleted from the index meanwhile."""
-        with self._writes:
-            with self._lock:
-                extent_ids = self._active.pop(lease_id, ())
-                unwritten = self._unwritten.pop(lease_id, None) is not None
-            if not unwritten:  # a lease whose row was never written needs no index write
-                try:
-                    with self._db.write_connection(serving=True) as connection:
-                        leases.release(connection, lease_id)
-                except SQLAlchemyError as err:  # the lease lapses by itself
-                    logger.warning("could not release a lease (it lapses in time): %s", err)
-                    return
+        extents that were deleted from the index meanwhile.
+
+        Its row, if written, is deleted here; if it is being written right now, the writer
+        deletes it once written (the extents then stay held a moment longer, and their
+        bytes are left for the sweep)."""
+        with self._lock:
+            extent_ids = self._active.pop(lease_id, ())
+            if self._unwritten.pop(lease_id, None) is not None:
+                row = False  # never written: nothing to delete
+            elif lease_id in self._writing:
+                self._released_while_writing.add(lease_id)
+                return
+            else:
+                row = True
+        if row and not self._delete_row(lease_id):
+            return
         if remove_unindexed:
             self.remove_unindexed(extent_ids)
 
