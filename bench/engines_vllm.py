@@ -124,6 +124,10 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
         from tenantkv.datapath import runtime
 
         runtime.BOOKKEEPING_DELAY_S, runtime.BOOKKEEPING_HOLD_S = 0.02, 0.5
+    elif spec["engine"] == "tenantkv-staged-64k":  # bench/vllm_hit_phases.py's
+        from tenantkv.storage import local
+
+        local.MAPPED_SEGMENT_BYTES = 128 * 1024  # the 64 KiB segments read into a slot again
     transfer = None
     if spec["engine"].startswith("tenantkv"):
         transfer = KVTransferConfig(

@@ -27,7 +27,10 @@ earlier choice put back:
   model's too) sleep at barriers instead of spinning (``tenantkv/openmp_threads.py``);
 * ``tenantkv-books-20ms``: the bookkeeping delay before the quarter-second batches
   (``BOOKKEEPING_DELAY_S`` 20 ms, ``BOOKKEEPING_HOLD_S`` 0.5 s): every load's record of use
-  then written in a transaction of its own, beside the next step.
+  then written in a transaction of its own, beside the next step;
+* ``tenantkv-staged-64k``: the 64 KiB segments of the benchmark's model (32-token blocks) read
+  into a staging slot with ``preadv`` before they are decrypted, as they were while only
+  segments of 128 KiB and more were opened out of a mapping (``MAPPED_SEGMENT_BYTES``).
 
 Reported: min / median / max ms per (length, engine, phase), the ratios of the medians of
 whole hits (each engine / example, tenantkv / each baseline), and a PNG of the hits and their
@@ -57,7 +60,13 @@ from typing import Any
 
 import engines_vllm
 
-ENGINES = ("example", "tenantkv", "tenantkv-openmp-teams", "tenantkv-books-20ms")
+ENGINES = (
+    "example",
+    "tenantkv",
+    "tenantkv-openmp-teams",
+    "tenantkv-books-20ms",
+    "tenantkv-staged-64k",
+)
 DEFAULT_ENGINES = "example,tenantkv,tenantkv-openmp-teams"
 PHASES = ("hit", "lookup", "start load", "layer waits", "forward")
 

@@ -285,12 +285,15 @@ MAPPABLE_FILE_SYSTEMS = frozenset(
 
 
 #: Where extents are written with ``O_DIRECT`` and ``map_reads`` is left to its default, loads
-#: open segments at least this large straight out of a mapping and read smaller ones with
-#: ``preadv``. Such extents enter the page cache by reads, in small pages; for segments of
-#: 72 KiB (64 tokens of an MLA layer) mapping them was slower than reading them (8K-token
-#: loads 4.1 against 4.8 GB/s), from 144 KiB on it was faster (5.8 against 5.4; 288 KiB:
-#: 6.7 against 6.0; an MHA model's 256 KiB: 7.5 against 6.2; docs/perf.md).
-MAPPED_SEGMENT_BYTES = 128 * 1024
+#: open segments at least this large straight out of a mapping (once the extent is in the
+#: page cache) and read smaller ones with ``preadv``. Decrypting out of the mapping saves the
+#: read's copy into a staging slot. The first measurements (issue 16) found 72 KiB segments (64
+#: tokens of an MLA layer) slower mapped (8K-token loads 4.1 against 4.8 GB/s) and 144 KiB on
+#: faster, so the bound was 128 KiB; since whole layers per worker and cold reads without
+#: ``WILLNEED`` where the device reads ahead by itself, 72 KiB segments read faster mapped
+#: whichever way their pages came in (8K tokens, warm: 7.1-8.3 against 6.5-6.8 GB/s; vLLM's MHA
+#: blocks of 32 tokens are 64 KiB): docs/perf.md, "A faster Xeon VM".
+MAPPED_SEGMENT_BYTES = 64 * 1024
 
 
 def file_system_type(path: Path) -> str | None:

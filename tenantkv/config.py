@@ -109,16 +109,16 @@ class CacheConfig:
     #: reading them into a buffer first (docs/perf.md). Default (None): on where extents live
     #: on a local disk or memory file system and are written through the page cache
     #: (``direct_writes=False``); there with ``O_DIRECT`` writes, for segments of at least
-    #: 128 KiB once their extent is in the page cache (``MAPPED_SEGMENT_BYTES`` in
+    #: 64 KiB once their extent is in the page cache (``MAPPED_SEGMENT_BYTES`` in
     #: ``tenantkv.storage.local``); off on network and FUSE mounts, where a page the file
     #: system loses would kill the process (SIGBUS) instead of failing a read.
     map_reads: bool | None = None
     #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores where
     #: page-cache pages are costly to allocate, and a large store evicts no other tenant's hot
     #: extents; but a prefix's next load then reads the disk (unless it is still in the ring
-    #: of recent writes, ``recent_writes_bytes``), and the page cache later holds it in small
-    #: pages, which ``preadv`` reads faster than a mapping in small segments (so ``map_reads``
-    #: then maps large segments only; docs/perf.md). Default (None): on for durable stores.
+    #: of recent writes, ``recent_writes_bytes``), and ``map_reads`` then maps only segments
+    #: of 64 KiB and more, once the extent is in the page cache (docs/perf.md). Default
+    #: (None): on for durable stores.
     direct_writes: bool | None = None
     #: Memory that keeps the sealed bytes of the extents this process wrote last, so that
     #: their first loads read memory instead of the device, where extents are written with
