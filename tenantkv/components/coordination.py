@@ -131,28 +131,28 @@ class LeaseKeeper:
             if not batch:
                 return True
             until = self._wall_clock() + self.lease_seconds
+            written = True
             try:
                 with self._db.write_connection(serving=True) as connection:
                     for lease_id, (extent_ids, _) in batch.items():
                         leases.acquire(connection, lease_id, self.node_id, extent_ids, until)
             except SQLAlchemyError as err:  # they hold on this node; retried later
                 logger.warning("could not record leases for other nodes: %s", err)
-                with self._lock:
-                    self._writing.difference_update(batch)
-                    self._released_while_writing.difference_update(batch)  # no row to delete
+                written = False
+            with self._lock:
+                self._writing.difference_update(batch)
+                released = self._released_while_writing & batch.keys()
+                self._released_while_writing -= released
+                if not written:  # the running ones wait for their rows again
                     self._unwritten.update(
                         (lease, taken)
                         for lease, (_, taken) in batch.items()
                         if lease in self._active
                     )
-                return False
-            with self._lock:
-                self._writing.difference_update(batch)
-                released = self._released_while_writing & batch.keys()
-                self._released_while_writing -= released
-            for lease_id in released:  # released while their rows were written
-                self._delete_row(lease_id)
-            return True
+            if written:
+                for lease_id in released:  # released while their rows were written
+                    self._delete_row(lease_id)
+            return written
 
     def _delete_row(self, lease_id: bytes) -> bool:
         """Delete a released lease's row; False if the index refused (the row then lapses)."""
@@ -173,14 +173,12 @@ class LeaseKeeper:
         bytes are left for the sweep)."""
         with self._lock:
             extent_ids = self._active.pop(lease_id, ())
-            if self._unwritten.pop(lease_id, None) is not None:
-                row = False  # never written: nothing to delete
-            elif lease_id in self._writing:
+            # a row written or being written (else the lease never got one)
+            has_row = self._unwritten.pop(lease_id, None) is None
+            if has_row and lease_id in self._writing:
                 self._released_while_writing.add(lease_id)
                 return
-            else:
-                row = True
-        if row and not self._delete_row(lease_id):
+        if has_row and not self._delete_row(lease_id):
             return
         if remove_unindexed:
             self.remove_unindexed(extent_ids)
