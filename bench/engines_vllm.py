@@ -20,7 +20,9 @@ default), ``tenantkv-buffered`` (the same with ``direct_writes=False``: extents 
 the page cache, as ExampleConnector's files are, so the hit reads memory instead of the disk),
 and, run only when named in ``--engines``, ``tenantkv-openmp-teams`` (the same-run baseline of
 the cache's threads left at torch's default OpenMP count, each free to start an OpenMP team
-beside the model's: ``tenantkv/openmp_threads.py``). Every hit's first token is checked against
+beside the model's: ``tenantkv/openmp_threads.py``) and ``tenantkv-before-forward`` (the
+connector's ``layer_wise=False``: each hit's whole load in ``start_load_kv``, before the
+forward, instead of layer by layer inside it). Every hit's first token is checked against
 the miss's.
 
 Reported: min / median / max ms per (engine, length, miss|hit); the hit/miss ratio within each
@@ -61,7 +63,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("none", "example", "tenantkv", "tenantkv-buffered", "tenantkv-openmp-teams")
+ENGINES = (
+    "none",
+    "example",
+    "tenantkv",
+    "tenantkv-buffered",
+    "tenantkv-openmp-teams",
+    "tenantkv-before-forward",
+)
 DEFAULT_ENGINES = "none,example,tenantkv,tenantkv-buffered"
 BLOCK_TOKENS = 32  # vLLM's block size here
 # The random Llama's shape (write_model), and through it the KV a hit loads (kv_layout).
@@ -241,6 +250,8 @@ def run_engine(
         }
         if engine == "tenantkv-buffered":  # extents written through the page cache
             spec["extra"]["open_options"] = {"direct_writes": False}
+        elif engine == "tenantkv-before-forward":  # each load whole, before the forward
+            spec["extra"]["layer_wise"] = False
         spec["params"] = {"tenantkv_assertion": signer.sign("bench", ttl=3600)}
     path = work / f"{engine}.json"
     path.write_text(json.dumps(spec))
@@ -377,6 +388,14 @@ def main() -> None:
             "openmp-teams hit-again / example's": (
                 ("tenantkv-openmp-teams", "hit-again"),
                 ("example", "hit-again"),
+            ),
+            "before-forward hit-again / example's": (
+                ("tenantkv-before-forward", "hit-again"),
+                ("example", "hit-again"),
+            ),
+            "before-forward hit-again / tenantkv's": (
+                ("tenantkv-before-forward", "hit-again"),
+                ("tenantkv", "hit-again"),
             ),
             "tenantkv hit / prefill": (("tenantkv", "hit"), ("none", "miss")),
             "tenantkv miss / prefill": (("tenantkv", "miss"), ("none", "miss")),

@@ -18,8 +18,8 @@ save), then ``--reps`` later turns of it are timed one after another: each hit's
   included.
 
 Engines (``--engines``), each in a process of its own, the order reversed every other round:
-``example``, ``tenantkv`` (this code), and two baselines of the same connector, each with one
-earlier choice put back:
+``example``, ``tenantkv`` (this code, its defaults), and variants of the same connector, the
+baselines each with one earlier choice put back:
 
 * ``tenantkv-openmp-teams`` (in the default set): the cache's threads run torch's kernels with
   torch's default OpenMP count, so each that runs a parallel kernel starts an OpenMP team of its
@@ -28,6 +28,9 @@ earlier choice put back:
 * ``tenantkv-books-20ms``: the bookkeeping delay before the quarter-second batches
   (``BOOKKEEPING_DELAY_S`` 20 ms, ``BOOKKEEPING_HOLD_S`` 0.5 s): every load's record of use
   then written in a transaction of its own, beside the next step;
+* ``tenantkv-before-forward``: not a baseline but the connector's other load mode
+  (``layer_wise=False``): each hit's whole load in ``start_load_kv``, so ``start load`` holds
+  it and the forward runs with no load beside it;
 * ``tenantkv-staged-64k``: the 64 KiB segments of the benchmark's model (32-token blocks) read
   into a staging slot with ``preadv`` before they are decrypted, as they were while only
   segments of 128 KiB and more were opened out of a mapping (``MAPPED_SEGMENT_BYTES``).
@@ -66,6 +69,7 @@ ENGINES = (
     "tenantkv-openmp-teams",
     "tenantkv-books-20ms",
     "tenantkv-staged-64k",
+    "tenantkv-before-forward",
 )
 DEFAULT_ENGINES = "example,tenantkv,tenantkv-openmp-teams"
 PHASES = ("hit", "lookup", "start load", "layer waits", "forward")

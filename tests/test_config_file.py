@@ -254,7 +254,7 @@ def test_serve_uses_the_file(tmp_path: Path, index: Index, monkeypatch: pytest.M
 
 
 def test_connector_reads_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("vllm")  # the engine venv (scripts/test.sh); skipped elsewhere
+    pytest.importorskip("vllm")  # run in the engine venv (scripts/test_engines.sh); skipped here
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -276,7 +276,19 @@ def test_connector_reads_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert settings.root == str(tmp_path / "kv") and settings.audience == "prod"
     assert settings.open_options["load_workers"] == 3 and settings.load_async is True
     assert settings.gateway_public_keys == (pem.read_bytes(),) and settings.model == "m"
-    assert settings.codec == "fp8"
+    assert settings.codec == "fp8" and settings.layer_wise is True  # the default
+    for raw, taken in (('"auto"', None), ("false", False), ("true", True)):
+        mode = _write(
+            tmp_path, f'[vllm]\ngateway_public_keys = ["{pem}"]\nlayer_wise = {raw}\n', "l.toml"
+        )
+        assert ConnectorSettings.from_extra_config({"config_file": str(mode)}, "m").layer_wise is (
+            taken
+        )
+    odd = _write(
+        tmp_path, f'[vllm]\ngateway_public_keys = ["{pem}"]\nlayer_wise = "no"\n', "o.toml"
+    )
+    with pytest.raises(ConfigFileError, match="layer_wise must be true, false or"):
+        ConnectorSettings.from_extra_config({"config_file": str(odd)}, "m")
     unknown = _write(
         tmp_path, f'[vllm]\ngateway_public_keys = ["{pem}"]\ncodec = "nf4"\n', "c.toml"
     )

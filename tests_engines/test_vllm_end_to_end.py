@@ -105,6 +105,28 @@ def test_llama_owner_hits_with_identical_tokens_everyone_else_misses(
     assert report["usage"]["globex"]["stored_tokens"] == 96  # its own copy, computed
 
 
+def test_a_load_before_the_forward_gives_the_uncached_tokens(
+    tmp_path: Path, index: Index, tiny_llama: Path, gateway: AssertionSigner, gateway_pem: str
+) -> None:
+    """``layer_wise = false`` in a real engine: the whole load in ``start_load_kv``, then the
+    forward; the owner's hit generates what its uncached request did, and another tenant still
+    misses."""
+    requests = [
+        {"name": "first", "params": assertion(gateway, "acme")},
+        {"name": "again", "params": assertion(gateway, "acme")},
+        {"name": "globex", "params": assertion(gateway, "globex")},
+    ]
+    spec = tenantkv_spec(
+        tmp_path, index, tiny_llama, gateway_pem, [r | {"prompt": PROMPT} for r in requests]
+    )
+    spec["extra"]["layer_wise"] = False
+    runs = run_scenario(tmp_path, spec)["by_name"]
+    assert runs["first"]["num_cached_tokens"] == 0
+    assert runs["again"]["num_cached_tokens"] == 96  # the positive control
+    assert runs["again"]["tokens"] == runs["first"]["tokens"]
+    assert runs["globex"]["num_cached_tokens"] == 0
+
+
 def test_mla_model_hits_for_its_owner_only(
     tmp_path: Path,
     index: Index,

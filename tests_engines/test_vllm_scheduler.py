@@ -43,7 +43,7 @@ from tenantkv.config import CacheConfig as TenantKVConfig
 from tenantkv.errors import InvalidRequestError
 from tenantkv.integrations import paged_kv
 from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRORS, RequestTenant
-from tenantkv.integrations.vllm import TenantKVConnector, scheduler_side
+from tenantkv.integrations.vllm import TenantKVConnector, scheduler_side, worker_side
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
 from tenantkv.integrations.vllm.settings import ENGINE_WINDOW, ConnectorSettings
 from tenantkv.tenant_assertion import AssertionSigner
@@ -100,7 +100,8 @@ def vllm_config(model: Path, extra: dict[str, Any]) -> VllmConfig:
 class Setup:
     """A cache with tenants acme and globex, a scheduler and a worker-side connector on it
     (``mla``: over a DeepSeek model's latent pages, ``[B, N, latent]`` as vLLM's CPU MLA
-    layers hold them)."""
+    layers hold them; ``layer_wise``: the connector's setting, layer by layer unless told, as
+    on a GPU, since "auto" would pick a load before the forward on most CPU test machines)."""
 
     def __init__(
         self,
@@ -112,6 +113,7 @@ class Setup:
         load_async: bool = False,
         codec: str | None = None,
         mla: bool = False,
+        layer_wise: bool | str = True,
     ) -> None:
         self.root = root
         url = index.url(root)
@@ -121,6 +123,7 @@ class Setup:
             "gateway_public_keys": [pem],
             "model": "tiny-llama",
             "load_async": load_async,
+            "layer_wise": layer_wise,
         }
         if codec is not None:
             extra["codec"] = codec
@@ -248,10 +251,21 @@ def params(gateway: AssertionSigner, tenant: str, **claims: Any) -> dict[str, An
 
 
 @pytest.fixture
-def setup(tmp_path: Path, index: Index, tiny_llama: Path, gateway_pem: str) -> Setup:
-    return Setup(tmp_path / "cache", index, tiny_llama, gateway_pem)
+def setup(
+    request: pytest.FixtureRequest, tmp_path: Path, index: Index, tiny_llama: Path, gateway_pem: str
+) -> Setup:
+    """Layer-wise loads, or (parametrized ``indirect``) the ``layer_wise`` setting given."""
+    layer_wise = getattr(request, "param", True)
+    return Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, layer_wise=layer_wise)
 
 
+#: Run a test with loads layer by layer and with whole loads before the forward.
+BOTH_LOAD_MODES = pytest.mark.parametrize(
+    "setup", [True, False], ids=["layer-wise", "before-forward"], indirect=True
+)
+
+
+@BOTH_LOAD_MODES
 def test_matched_tokens_loaded_into_pages_through_the_block_ids(
     setup: Setup, gateway: AssertionSigner
 ) -> None:
@@ -369,6 +383,7 @@ def test_async_load_finishes_between_steps(
     assert request.num_computed_tokens >= 100
 
 
+@BOTH_LOAD_MODES
 def test_preempted_request_loads_again_into_its_new_pages(
     setup: Setup, gateway: AssertionSigner
 ) -> None:
@@ -389,6 +404,7 @@ def test_preempted_request_loads_again_into_its_new_pages(
     assert torch.equal(setup.pages[LAYERS[1]][page], rows[1, 64:96].permute(1, 0, 2))
 
 
+@BOTH_LOAD_MODES
 def test_damaged_extent_is_reported_and_recomputed(setup: Setup, gateway: AssertionSigner) -> None:
     store_for(setup, "acme")
     for path in (setup.root / "blocks").rglob("*"):
@@ -753,6 +769,7 @@ def test_a_load_and_a_save_work_out_the_requests_pages_once_for_every_layer(
             assert torch.equal(paged.permute(0, 2, 1, 3), expected)
 
 
+@BOTH_LOAD_MODES
 def test_pages_of_the_wrong_shape_are_refused_at_registration_and_in_a_step(
     setup: Setup, gateway: AssertionSigner
 ) -> None:
@@ -791,6 +808,7 @@ def test_pages_of_the_wrong_shape_are_refused_at_registration_and_in_a_step(
     assert torch.equal(setup.pages[LAYERS[0]][page], rows[0, :BLOCK].permute(1, 0, 2))
 
 
+@pytest.mark.parametrize("layer_wise", [True, False], ids=["layer-wise", "before-forward"])
 def test_an_mla_load_decrypts_straight_into_the_pages(
     tmp_path: Path,
     index: Index,
@@ -798,11 +816,14 @@ def test_an_mla_load_decrypts_straight_into_the_pages(
     gateway_pem: str,
     gateway: AssertionSigner,
     monkeypatch: pytest.MonkeyPatch,
+    layer_wise: bool,
 ) -> None:
     """MLA pages hold a token's row as tenantkv stores it: the load writes the pages itself
     (no layer tensor, no copy by the connector), only the request's pages; a load that fails
     there is still reported for recomputation."""
-    setup = Setup(tmp_path / "cache", index, tiny_deepseek, gateway_pem, mla=True)
+    setup = Setup(
+        tmp_path / "cache", index, tiny_deepseek, gateway_pem, mla=True, layer_wise=layer_wise
+    )
     assert setup.connector.engine.layout.kind == "mla"
     copies: list[str] = []
     real_write = paged_kv.PagedLayer.write
@@ -848,3 +869,94 @@ def test_an_mla_load_decrypts_straight_into_the_pages(
     (load,) = meta.loads
     assert errors == set(load.block_ids)
     assert setup.kv.security_events().get("segment_open_failed", 0) >= 1
+
+
+# ---- a load before the forward or layer by layer -------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_wise", [True, False], ids=["layer-wise", "before-forward"])
+def test_a_load_before_the_forward_fills_every_layer_in_start_load_kv(
+    tmp_path: Path,
+    index: Index,
+    tiny_llama: Path,
+    gateway_pem: str,
+    gateway: AssertionSigner,
+    layer_wise: bool,
+) -> None:
+    """``layer_wise=False``: when ``start_load_kv`` returns, every layer's pages hold the
+    prefix, and the layer hooks have nothing left to do. Layer by layer (the control), the
+    pages are still empty then and each layer lands at its hook."""
+    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, layer_wise=layer_wise)
+    rows = store_for(setup, "acme")
+    setup.request("owner", params(gateway, "acme"))
+    meta = setup.scheduler.schedule().kv_connector_metadata
+    (load,) = meta.loads
+    worker = setup.worker
+
+    def loaded(index_: int) -> bool:
+        name = LAYERS[index_]
+        return all(
+            torch.equal(
+                setup.pages[name][page],
+                rows[index_, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2),
+            )
+            for b, page in enumerate(load.block_ids)
+        )
+
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
+    assert [loaded(i) for i in range(len(LAYERS))] == [not layer_wise] * len(LAYERS)
+    for index_, name in enumerate(LAYERS):
+        worker.wait_for_layer_load(name)
+        assert loaded(index_), name
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.clear_connector_metadata()
+
+
+def test_auto_loads_before_the_forward_only_where_the_forward_takes_every_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The "auto" rule: host-memory pages and torch's threads >= the process's CPUs (vLLM's
+    CPU backend) load before the forward; fewer threads than CPUs, or pages on another
+    device, stream layer by layer; so does an engine that registered no pages."""
+    host = [torch.zeros(4, 2, BLOCK, 8)]
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(worker_side, "usable_cpu_count", lambda: threads)
+    assert worker_side.forward_takes_every_cpu(host)
+    assert not worker_side.forward_takes_every_cpu([])
+    assert not worker_side.forward_takes_every_cpu([torch.zeros(4, 2, BLOCK, 8, device="meta")])
+    monkeypatch.setattr(worker_side, "usable_cpu_count", lambda: threads + 1)  # one left over
+    assert not worker_side.forward_takes_every_cpu(host)
+
+
+@pytest.mark.parametrize("spare_cpus, expected", [(0, False), (1, True)])
+def test_the_connector_decides_auto_from_its_registered_pages(
+    tmp_path: Path,
+    index: Index,
+    tiny_llama: Path,
+    gateway_pem: str,
+    monkeypatch: pytest.MonkeyPatch,
+    spare_cpus: int,
+    expected: bool,
+) -> None:
+    """``layer_wise = "auto"`` (the default) is decided when the engine registers its pages,
+    and an explicit setting is kept whatever the pages."""
+    cpus = torch.get_num_threads() + spare_cpus
+    monkeypatch.setattr(worker_side, "usable_cpu_count", lambda: cpus)
+    auto = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, layer_wise="auto")
+    assert auto.worker.worker_side._layer_wise is expected
+    told = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, layer_wise=not expected)
+    assert told.worker.worker_side._layer_wise is (not expected)
+
+
+@pytest.mark.parametrize("raw", ["yes", 1, None])
+def test_a_bad_layer_wise_setting_is_refused(gateway_pem: str, raw: Any) -> None:
+    extra = {"root": "r", "gateway_public_keys": [gateway_pem], "layer_wise": raw}
+    with pytest.raises(InvalidRequestError, match="layer_wise"):
+        ConnectorSettings.from_extra_config(extra, "m")
+    del extra["layer_wise"]
+    assert ConnectorSettings.from_extra_config(extra, "m").layer_wise is True  # the default
+    for good, taken in (("auto", None), (True, True), (False, False)):
+        extra["layer_wise"] = good
+        assert ConnectorSettings.from_extra_config(extra, "m").layer_wise is taken

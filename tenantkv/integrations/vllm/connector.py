@@ -44,7 +44,7 @@ class TenantKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(self.engine, block_tokens, settings.load_async)
         else:
-            self.worker_side = WorkerSide(self.engine, layer_names)
+            self.worker_side = WorkerSide(self.engine, layer_names, layer_wise=settings.layer_wise)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -13,8 +13,17 @@ Extra config keys:
   ``require_incarnation``: refuse assertions that do not name the tenant's incarnation
   (default false; see ``tenantkv.tenant_assertion``).
 * ``model``: the model's name in namespaces (default: vLLM's ``model``), ``revision`` likewise.
-* ``load_async``: load between scheduler steps (``True``) instead of layer by layer during the
-  forward pass (``False``, the default).
+* ``load_async``: load between scheduler steps (``True``) instead of in the forward step
+  (``False``, the default).
+* ``layer_wise``: how a load in the forward step runs. ``True`` (the default): layer by layer
+  during the forward pass, so layer ``i`` computes while layers ``i + 1 ...`` are read (on a
+  GPU the model and the decrypting CPUs work side by side). ``False``: the whole load in
+  ``start_load_kv``, before the forward. ``"auto"``: ``False`` where the forward computes on
+  every CPU the load could use (pages in host memory and torch's threads as many as the
+  process's CPUs: vLLM's CPU backend), else ``True`` (``worker_side.forward_takes_every_cpu``).
+  On a 2-core VM's CPU backend a load before the forward made later turns' hits 0.86-1.12x
+  (median 0.97x) of layer-wise ones (docs/perf.md); the default stays layer by layer until a
+  many-core figure shows the same.
 * ``codec``: how the namespaces store KV (``tenantkv.codecs``): ``"none"`` (the default,
   byte-exact), ``"fp8"`` or ``"int4"`` (lossy; docs/perf.md has their measured error). Part of
   the namespaces' identity: engines with another codec never share their blocks.
@@ -71,6 +80,8 @@ class ConnectorSettings:
     revision: str | None
     load_async: bool
     codec: str = "none"
+    #: True: layer by layer; False: whole before the forward; None ("auto"): from the pages
+    layer_wise: bool | None = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], default_model: str) -> ConnectorSettings:
@@ -92,6 +103,7 @@ class ConnectorSettings:
             revision=extra.get("revision"),
             load_async=bool(extra.get("load_async", False)),
             codec=codec(extra.get("codec", "none")).name,
+            layer_wise=layer_wise_setting(extra.get("layer_wise", True)),
         )
 
     @classmethod
@@ -132,6 +144,7 @@ class ConnectorSettings:
             revision=section.revision,
             load_async=section.load_async,
             codec=section.codec,
+            layer_wise=layer_wise_setting(section.layer_wise),
         )
 
     def verifier(self) -> AssertionVerifier:
@@ -156,6 +169,7 @@ class ConnectorSection:
     revision: str | None = None
     load_async: bool = False
     codec: str = "none"
+    layer_wise: bool | str = True
     pems: tuple[bytes, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +181,7 @@ class ConnectorSection:
             ) from None
         lifetime_setting("max_assertion_lifetime", self.max_assertion_lifetime)
         codec(self.codec)  # an unknown codec is refused when the file is checked
+        layer_wise_setting(self.layer_wise)
 
 
 #: The configuration file's ``[vllm]`` table.
@@ -178,6 +193,15 @@ def _flag(name: str, raw: Any) -> bool:
         return False
     if not isinstance(raw, bool):
         raise InvalidRequestError(f"{name} must be true or false, got {raw!r}")
+    return raw
+
+
+def layer_wise_setting(raw: Any) -> bool | None:
+    """``layer_wise`` as the worker side takes it: True, False, or None for ``"auto"``."""
+    if raw == "auto":
+        return None
+    if not isinstance(raw, bool):
+        raise InvalidRequestError(f'layer_wise must be true, false or "auto", got {raw!r}')
     return raw
 
 

@@ -5,6 +5,10 @@ layer, and saves computed prompts from it.
   (reading and decrypting start at once, in the background); ``wait_for_layer_load(name)``,
   called by each attention layer before it runs, takes that layer from every stream and writes
   it into the request's pages, so layer ``i`` computes while layers ``i + 1 ...`` are read.
+* **Loads before the forward** (``layer_wise=False``, or ``"auto"`` on vLLM's CPU backend):
+  ``start_load_kv`` loads each request's every layer into its pages and returns; the layer
+  hooks have nothing left to do. Where the forward computes on every CPU, a load streamed
+  into it only takes CPUs from the model's threads (``forward_takes_every_cpu``).
 * **Async loads** (``load_async``): the whole load runs on a background thread between steps;
   ``get_finished`` reports the request once every layer is in its pages.
 * **Saves** leave the forward step: ``save_kv_layer`` only notes each layer's pages, and
@@ -45,6 +49,7 @@ import torch
 
 from ...datapath.loader import LoadStream
 from ...errors import InvalidRequestError, TenantKVError
+from ...host_cpus import usable_cpu_count
 from ...layout import KVLayout, Layer
 from ...openmp_threads import pool_initializer
 from ..engine_identity import EngineNamespaces
@@ -53,6 +58,21 @@ from .metadata import LoadSpec, TenantKVConnectorMetadata, TenantKVWorkerMetadat
 from .saves import DEFAULT_MAX_PENDING_BYTES, BackgroundSaves, SaveJob
 
 logger = logging.getLogger("tenantkv")
+
+
+def forward_takes_every_cpu(pages: list[torch.Tensor]) -> bool:
+    """Whether the engine's forward computes on every CPU a load could run on: its pages are
+    in host memory (vLLM's CPU backend: the model runs on the CPUs) and torch's thread count,
+    the forward's OpenMP team, is at least the CPUs the process can keep busy.
+
+    Then a load that streams into the forward has nothing to overlap with: each of its threads
+    takes a CPU from a member of the team, and the whole team waits for that member at the end
+    of every parallel region, so the forward loses more than the load's CPU time. Loading the
+    whole prefix before the forward costs the load's CPU time alone. On a GPU, or where the
+    team leaves CPUs free, layer ``i`` computes while layers ``i + 1 ...`` are read."""
+    if not pages or any(p.device.type != "cpu" for p in pages):
+        return False
+    return torch.get_num_threads() >= usable_cpu_count()
 
 
 @dataclass
@@ -91,8 +111,13 @@ class WorkerSide:
         layer_names: list[str],
         *,
         max_pending_save_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        layer_wise: bool | None = True,
     ) -> None:
         self._engine = engine
+        #: the setting (None: decided from the pages at register_kv_caches)
+        self._layer_wise_setting = layer_wise
+        #: whether a synchronous load streams into the forward (else it is whole before it)
+        self._layer_wise = layer_wise is not False
         self._layout: KVLayout = engine.layout
         self._layer_names = list(layer_names)
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -121,6 +146,9 @@ class WorkerSide:
             if name in self._layer_index
         }
         self._refused.clear()
+        if self._layer_wise_setting is None:
+            pages = [paged.pages for paged in self._paged.values()]
+            self._layer_wise = not forward_takes_every_cpu(pages)
 
     def _use_pages(self, caches: dict[str, Any]) -> None:
         """A step's own page tensors: the registered views are kept where they are the same
@@ -205,7 +233,12 @@ class WorkerSide:
                 self._failures.add(spec, err)
                 continue
             direct = self._direct_target(spec, blocks)
-            self._loads.append(_Load(spec, self._open(spec, direct), blocks, direct is not None))
+            if self._layer_wise:
+                self._loads.append(
+                    _Load(spec, self._open(spec, direct), blocks, direct is not None)
+                )
+            else:
+                self._load_all_layers(spec, blocks, direct)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -236,19 +269,31 @@ class WorkerSide:
             )
         self._pages_of(layer_name).write(blocks, layer)
 
+    def _load_all_layers(
+        self,
+        spec: LoadSpec,
+        blocks: RequestBlocks,
+        direct: tuple[list[torch.Tensor], list[int]] | None,
+    ) -> None:
+        """Every layer of a load into its pages, now; a failure is reported (recomputed)."""
+        stream = self._open(spec, direct)
+        if stream is None:
+            return
+        try:
+            with stream:
+                for index, layer in stream:
+                    if direct is None:  # else the stream wrote the layer into the pages
+                        self._write(spec, blocks, self._layer_names[index], layer)
+        except (TenantKVError, RuntimeError, KeyError) as err:
+            self._failures.add(spec, err)
+
     def _load_whole(self, spec: LoadSpec) -> None:
         """Background: every layer of an async load into its pages, then report it finished."""
         try:
             blocks = RequestBlocks(spec.block_ids[spec.first_block :])
             for name in self._layer_names:
                 self._pages_of(name).check_blocks(blocks)
-            direct = self._direct_target(spec, blocks)
-            stream = self._open(spec, direct)
-            if stream is not None:
-                with stream:
-                    for index, layer in stream:
-                        if direct is None:  # else the stream wrote the layer into the pages
-                            self._write(spec, blocks, self._layer_names[index], layer)
+            self._load_all_layers(spec, blocks, self._direct_target(spec, blocks))
         except (TenantKVError, RuntimeError, KeyError) as err:
             self._failures.add(spec, err)
         finally:
