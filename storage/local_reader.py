@@ -292,7 +292,9 @@ MAPPABLE_FILE_SYSTEMS = frozenset(
 #: faster, so the bound was 128 KiB; since whole layers per worker and cold reads without
 #: ``WILLNEED`` where the device reads ahead by itself, 72 KiB segments read faster mapped
 #: whichever way their pages came in (8K tokens, warm: 7.1-8.3 against 6.5-6.8 GB/s; vLLM's MHA
-#: blocks of 32 tokens are 64 KiB): docs/perf.md, "A faster Xeon VM".
+#: blocks of 32 tokens are 64 KiB): docs/perf.md, "A faster Xeon VM". Not on every host: on an
+#: AMD EPYC VM the same segments read at 0.71-0.74x staged mapped, and 288 KiB ones at 0.85x
+#: (docs/perf.md, "Mapped segments on an AMD EPYC VM"); ``map_reads=False`` stages every read.
 MAPPED_SEGMENT_BYTES = 64 * 1024
 
 

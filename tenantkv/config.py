@@ -111,7 +111,9 @@ class CacheConfig:
     #: (``direct_writes=False``); there with ``O_DIRECT`` writes, for segments of at least
     #: 64 KiB once their extent is in the page cache (``MAPPED_SEGMENT_BYTES`` in
     #: ``tenantkv.storage.local``); off on network and FUSE mounts, where a page the file
-    #: system loses would kill the process (SIGBUS) instead of failing a read.
+    #: system loses would kill the process (SIGBUS) instead of failing a read. Which is faster
+    #: depends on the host: on an AMD EPYC VM mapped reads ran at 0.71-0.85x staged ones
+    #: (docs/perf.md, "Mapped segments on an AMD EPYC VM"); False stages every read.
     map_reads: bool | None = None
     #: Write extents' whole pages with ``O_DIRECT``, past the page cache: faster stores where
     #: page-cache pages are costly to allocate, and a large store evicts no other tenant's hot
