@@ -22,7 +22,7 @@ Extra config keys:
   every CPU the load could use (pages in host memory and torch's threads as many as the
   process's CPUs: vLLM's CPU backend), else ``True`` (``worker_side.forward_takes_every_cpu``).
   On a 2-core VM's CPU backend a load before the forward made later turns' hits 0.86-1.12x
-  (median 0.97x) of layer-wise ones (docs/perf.md); the default stays layer by layer until a
+  (median 0.96x) of layer-wise ones (docs/perf.md); the default stays layer by layer until a
   many-core figure shows the same.
 * ``codec``: how the namespaces store KV (``tenantkv.codecs``): ``"none"`` (the default,
   byte-exact), ``"fp8"`` or ``"int4"`` (lossy; docs/perf.md has their measured error). Part of
