@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import tenantkv
@@ -105,6 +106,7 @@ def test_llama_owner_hits_with_identical_tokens_everyone_else_misses(
     assert report["usage"]["globex"]["stored_tokens"] == 96  # its own copy, computed
 
 
+@pytest.mark.one_index  # a real engine per backend costs ~10 s; the load mode is not the index's
 def test_a_load_before_the_forward_gives_the_uncached_tokens(
     tmp_path: Path, index: Index, tiny_llama: Path, gateway: AssertionSigner, gateway_pem: str
 ) -> None:
