@@ -100,8 +100,7 @@ def vllm_config(model: Path, extra: dict[str, Any]) -> VllmConfig:
 class Setup:
     """A cache with tenants acme and globex, a scheduler and a worker-side connector on it
     (``mla``: over a DeepSeek model's latent pages, ``[B, N, latent]`` as vLLM's CPU MLA
-    layers hold them; ``layer_wise``: the connector's setting, layer by layer unless told, as
-    on a GPU, since "auto" would pick a load before the forward on most CPU test machines)."""
+    layers hold them; ``layer_wise``: the connector's setting, its default unless told)."""
 
     def __init__(
         self,
