@@ -177,6 +177,14 @@ class WorkerSide:
 
     # ---- loads --------------------------------------------------------------------------------
 
+    def _load_blocks(self, spec: LoadSpec) -> RequestBlocks:
+        """The pages a load fills (blocks the engine already has are skipped), checked against
+        every layer's pages: InvalidRequestError for a request whose pages lie outside them."""
+        blocks = RequestBlocks(spec.block_ids[spec.first_block :])
+        for name in self._layer_names:
+            self._pages_of(name).check_blocks(blocks)
+        return blocks
+
     def _direct_target(
         self, spec: LoadSpec, blocks: RequestBlocks
     ) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -226,9 +234,7 @@ class WorkerSide:
                 self._async_pool.submit(self._load_whole, spec)
                 continue
             try:
-                blocks = RequestBlocks(spec.block_ids[spec.first_block :])
-                for name in self._layer_names:
-                    self._pages_of(name).check_blocks(blocks)
+                blocks = self._load_blocks(spec)
             except InvalidRequestError as err:
                 self._failures.add(spec, err)
                 continue
@@ -290,9 +296,7 @@ class WorkerSide:
     def _load_whole(self, spec: LoadSpec) -> None:
         """Background: every layer of an async load into its pages, then report it finished."""
         try:
-            blocks = RequestBlocks(spec.block_ids[spec.first_block :])
-            for name in self._layer_names:
-                self._pages_of(name).check_blocks(blocks)
+            blocks = self._load_blocks(spec)
             self._load_all_layers(spec, blocks, self._direct_target(spec, blocks))
         except (TenantKVError, RuntimeError, KeyError) as err:
             self._failures.add(spec, err)
