@@ -106,6 +106,28 @@ def test_llama_owner_hits_with_identical_tokens_everyone_else_misses(
     assert report["usage"]["globex"]["stored_tokens"] == 96  # its own copy, computed
 
 
+def owner_and_other_spec(
+    tmp_path: Path, index: Index, model: Path, gateway: AssertionSigner, pem: str
+) -> dict[str, Any]:
+    """A scenario of the owner's miss, another tenant's request for the same prompt, and the
+    owner's hit (checked by :func:`assert_the_owner_alone_hits`)."""
+    requests = [
+        {"name": "first", "params": assertion(gateway, "acme")},
+        {"name": "globex", "params": assertion(gateway, "globex")},
+        {"name": "again", "params": assertion(gateway, "acme")},
+    ]
+    return tenantkv_spec(tmp_path, index, model, pem, [r | {"prompt": PROMPT} for r in requests])
+
+
+def assert_the_owner_alone_hits(runs: dict[str, Any]) -> None:
+    """The owner's repeat hits all 96 tokens of full blocks and generates what its uncached
+    request did (the positive control); the other tenant misses."""
+    assert runs["first"]["num_cached_tokens"] == 0
+    assert runs["globex"]["num_cached_tokens"] == 0
+    assert runs["again"]["num_cached_tokens"] == 96
+    assert runs["again"]["tokens"] == runs["first"]["tokens"]
+
+
 @pytest.mark.one_index  # a real engine per backend costs ~10 s; the load mode is not the index's
 def test_a_load_before_the_forward_gives_the_uncached_tokens(
     tmp_path: Path, index: Index, tiny_llama: Path, gateway: AssertionSigner, gateway_pem: str
@@ -113,20 +135,9 @@ def test_a_load_before_the_forward_gives_the_uncached_tokens(
     """``layer_wise = false`` in a real engine: the whole load in ``start_load_kv``, then the
     forward; the owner's hit generates what its uncached request did, and another tenant still
     misses."""
-    requests = [
-        {"name": "first", "params": assertion(gateway, "acme")},
-        {"name": "again", "params": assertion(gateway, "acme")},
-        {"name": "globex", "params": assertion(gateway, "globex")},
-    ]
-    spec = tenantkv_spec(
-        tmp_path, index, tiny_llama, gateway_pem, [r | {"prompt": PROMPT} for r in requests]
-    )
+    spec = owner_and_other_spec(tmp_path, index, tiny_llama, gateway, gateway_pem)
     spec["extra"]["layer_wise"] = False
-    runs = run_scenario(tmp_path, spec)["by_name"]
-    assert runs["first"]["num_cached_tokens"] == 0
-    assert runs["again"]["num_cached_tokens"] == 96  # the positive control
-    assert runs["again"]["tokens"] == runs["first"]["tokens"]
-    assert runs["globex"]["num_cached_tokens"] == 0
+    assert_the_owner_alone_hits(run_scenario(tmp_path, spec)["by_name"])
 
 
 def test_mla_model_hits_for_its_owner_only(
@@ -136,22 +147,12 @@ def test_mla_model_hits_for_its_owner_only(
     gateway: AssertionSigner,
     gateway_pem: str,
 ) -> None:
-    requests = [
-        {"name": "first", "params": assertion(gateway, "acme")},
-        {"name": "globex", "params": assertion(gateway, "globex")},
-        {"name": "again", "params": assertion(gateway, "acme")},
-    ]
-    spec = tenantkv_spec(
-        tmp_path, index, tiny_deepseek, gateway_pem, [r | {"prompt": PROMPT} for r in requests]
-    )
+    spec = owner_and_other_spec(tmp_path, index, tiny_deepseek, gateway, gateway_pem)
     # vLLM prefers its AMX MLA backend on CPUs with AMX, which takes no float32 weights: ask
     # for CPU_MLA, the backend this test is written for, on every machine.
     spec["attention_backend"] = "CPU_MLA"
-    runs = run_scenario(tmp_path, spec)["by_name"]
-    assert runs["first"]["num_cached_tokens"] == 0
-    assert runs["globex"]["num_cached_tokens"] == 0
-    assert runs["again"]["num_cached_tokens"] == 96  # 6 blocks of 16 (CPU_MLA's block size)
-    assert runs["again"]["tokens"] == runs["first"]["tokens"]
+    # 96 tokens: 6 blocks of 16 (CPU_MLA's block size)
+    assert_the_owner_alone_hits(run_scenario(tmp_path, spec)["by_name"])
 
 
 def test_example_connector_leaks_across_salts(tmp_path: Path, tiny_llama: Path) -> None:
