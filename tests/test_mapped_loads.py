@@ -456,8 +456,9 @@ def test_direct_written_extents_are_mapped_for_large_segments_once_cached(
 
 def test_the_segments_of_common_layouts_are_mapped_by_default() -> None:
     """The bound sits below a DeepSeek-V3 latent's 64-token block (72 KiB) and an MHA block of
-    64 KiB (32 tokens of 4 fp32 heads of 64, vLLM's CPU benchmark), both read faster mapped
-    (docs/perf.md, "A faster Xeon VM"); an 8 KiB segment is not."""
+    64 KiB (32 tokens of 4 fp32 heads of 64, vLLM's CPU benchmark), both read faster mapped on
+    the Xeon VM (docs/perf.md, "A faster Xeon VM"; not on an AMD EPYC VM: "Mapped segments on
+    an AMD EPYC VM"); an 8 KiB segment is not."""
     latent = KVLayout.mla(61, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)
     assert latent.segment_bytes(64) == 72 * 1024 >= MAPPED_SEGMENT_BYTES
     vllm_cpu = KVLayout.mha(8, num_kv_heads=4, head_dim=64, dtype=torch.float32)
