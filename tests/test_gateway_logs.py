@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,9 @@ import tenantkv
 from tenantkv.cli.gateway import gateway_options
 from tenantkv.errors import InvalidRequestError
 from tests.indexes import _CLI_WITH_URL, Index
+from tests.ports import free_ports
 
 PROMPT = "You are a helpful assistant. The launch code is 7-4-1-9."
-
-
-def _free_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config_file(tmp_path: Path, backend: str, port: int, log_format: str | None) -> Path:
@@ -81,8 +74,8 @@ def test_json_logs_of_a_served_request_carry_no_key_and_no_prompt(
     with tenantkv.open(root, durable=False) as kv:
         kv.create_tenant("acme")
         _, key = kv.inference_keys.create("acme", "app")
-    dead = f"http://127.0.0.1:{_free_port()}"
-    port = _free_port()
+    dead_port, port = free_ports(2)  # a backend nothing listens on, and the gateway's
+    dead = f"http://127.0.0.1:{dead_port}"
     config = _config_file(tmp_path, dead, port, log_format=None)
     env = {k: v for k, v in os.environ.items() if k != "TENANTKV_LOG_FORMAT"}
     env["TENANTKV_CONFIG"] = str(config)

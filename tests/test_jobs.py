@@ -26,7 +26,8 @@ from tenantkv.server.app import create_app
 from tenantkv.server.settings import Settings
 from tests.helpers import MLA_SMALL, random_layers, random_tokens
 from tests.indexes import _CLI_WITH_URL, Index
-from tests.test_server import _free_port, bearer, finished_job
+from tests.ports import free_port
+from tests.test_server import bearer, finished_job
 
 
 def store_extents(kv: TenantKV, tenant: str, count: int) -> list[list[int]]:
@@ -59,7 +60,7 @@ def test_a_job_runs_on_after_its_client_disconnects(kv: TenantKV) -> None:
     kv.rotate_keys("acme")
     operator = kv.tokens.ensure_first_operator()
     assert operator is not None
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(kv, Settings()), host="127.0.0.1", port=port, log_level="warning")
     )

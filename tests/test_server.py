@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from tenantkv.server.settings import Settings
 from tenantkv.services.tokens import AuthError, hash_token, token_id_of
 from tests.helpers import MLA_SMALL, ManualClock, random_layers, random_tokens
 from tests.indexes import Index
+from tests.ports import free_port
 
 
 @dataclass
@@ -468,16 +468,10 @@ def test_checkpoints(api: Api) -> None:
 # ---- a real server -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.usefixtures("index")
 def test_real_uvicorn_server(tmp_path: Path) -> None:
     kv = tenantkv.open(tmp_path / "cache", durable=False, capacity_bytes=2**40)
-    port = _free_port()
+    port = free_port()
     try:
         operator = kv.tokens.ensure_first_operator()
         assert operator is not None

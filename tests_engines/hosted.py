@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from tests.conftest import selected_index_kinds
 from tests.doc_recipes import kv_transfer_config, toml_text, vllm_serve_args
 from tests.gateway_stack import serving
 from tests.indexes import Index, PostgresSchemas
+from tests.ports import free_ports
 from tests_engines.tiny_tokenizer import write_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,13 +89,6 @@ class Stack:
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> inference key
     log: Path = Path()
     spare: Spare | None = None  # started only when a test of two backends was collected
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def serve_args(model: Path, port: int, config_file: Path) -> list[str]:
@@ -211,7 +204,7 @@ def hosted_stack(
     )
     (base / "gateway.pub.pem").write_bytes(public_key_pem(signing.public_key()))
     (base / "secret").write_bytes(SECRET)
-    port = free_port()
+    port, spare_port = free_ports(2)  # the spare's start overlaps this one's
     vllm_url = f"http://127.0.0.1:{port}"
     config_file = base / "tenantkv.toml"  # one file for the cache, the connector, the gateway
     write_config(config_file, root, database_url, base, backends=[vllm_url])
@@ -222,7 +215,7 @@ def hosted_stack(
         process = start_vllm(model, port, config_file, log)
         spare = None
         if any(item.path.name == "test_two_backends.py" for item in request.session.items):
-            spare_port, spare_log = free_port(), base / "vllm-serve-spare.log"
+            spare_log = base / "vllm-serve-spare.log"
             spare_process = start_vllm(model, spare_port, config_file, spare_log)
             spare = Spare(f"http://127.0.0.1:{spare_port}", spare_process, spare_log)
         try:

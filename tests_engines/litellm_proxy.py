@@ -28,7 +28,8 @@ from typing import Any
 import yaml
 
 from tests.doc_recipes import fenced_blocks
-from tests_engines.hosted import free_port, stop, wait_until_healthy
+from tests.ports import free_port
+from tests_engines.hosted import stop, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv-litellm" / "bin" / "python"

@@ -47,8 +47,9 @@ from tenantkv.gateway import GatewayIdentity
 from tenantkv.gateway.keyed import cache_salt
 from tenantkv.tenant_assertion import ASSERTION_PARAM, AssertionSigner, public_key_pem
 from tests.doc_recipes import toml_text
+from tests.ports import free_port
 from tests_engines.conftest import BLOCK, write_tiny_llama
-from tests_engines.hosted import MODEL, REPO, free_port, serve_args, stop, wait_until_healthy
+from tests_engines.hosted import MODEL, REPO, serve_args, stop, wait_until_healthy
 from tests_engines.litellm_proxy import PYTHON, TeamKey, litellm_proxy
 from tests_engines.test_hosted_stack import chat_cached
 from tests_engines.tiny_tokenizer import write_tiny_tokenizer

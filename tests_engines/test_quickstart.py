@@ -23,7 +23,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from typing import NoReturn
 import pytest
 
 from tests.indexes import Index
+from tests.ports import free_ports
 from tests_engines.conftest import write_tiny_llama
 from tests_engines.tiny_tokenizer import write_tiny_tokenizer
 
@@ -75,13 +75,6 @@ def page_blocks(page: Path) -> list[Block]:
             blocks.append(Block(lang, body + "\n", start))
         i = end + 1
     return blocks
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 class Terminal:
@@ -211,12 +204,13 @@ def terminal(tmp_path: Path, index: Index) -> Iterator[tuple[Terminal, Path, str
         shim.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENANTKV_")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    admin_port, vllm_port, gateway_port = free_ports(3)  # three servers, three ports
     env.update(
         QS=str(qs),
         MODEL=str(model),
-        ADMIN_PORT=str(free_port()),
-        VLLM_PORT=str(free_port()),
-        GATEWAY_PORT=str(free_port()),
+        ADMIN_PORT=str(admin_port),
+        VLLM_PORT=str(vllm_port),
+        GATEWAY_PORT=str(gateway_port),
     )
     database_url = index.url(qs / "cache")
     if not database_url.startswith("sqlite"):

@@ -30,12 +30,12 @@ import pytest
 from tenantkv.cli.gateway import gateway_options
 from tenantkv.gateway.keyed import affinity_digest
 from tenantkv.gateway.routing import Router
+from tests.ports import free_ports
 from tests_engines.hosted import (
     BLOCK,
     MODEL,
     REPO,
     Stack,
-    free_port,
     start_vllm,
     stop,
     wait_until_healthy,
@@ -82,12 +82,12 @@ def two_backends(hosted_stack: Stack, tmp_path: Path) -> Iterator[Pair]:
     if hosted_stack.spare is not None:  # started with the session's, its start overlapped
         second, backend = hosted_stack.spare.url, hosted_stack.spare.process
         vllm_log = hosted_stack.spare.log
+        (gateway_port,) = free_ports(1)
     else:
-        port = free_port()
+        port, gateway_port = free_ports(2)  # the second backend's and the gateway's
         second = f"http://127.0.0.1:{port}"
         vllm_log = tmp_path / "vllm-2.log"
         backend = start_vllm(hosted_stack.model, port, hosted_stack.config_file, vllm_log)
-    gateway_port = free_port()
     config = tmp_path / "tenantkv.toml"
     base = hosted_stack.config_file.parent  # the key, public key and secret files
     write_config(
