@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,24 @@ def test_a_misspelt_variable_stops_a_command(
     monkeypatch.setenv("TENANTKV_LOAD_WORKERS", "4")  # control: the right name gets past it
     assert main(["info", str(tmp_path / "nope")]) == 1  # the missing root's own error
     assert "tenantkv init" in capsys.readouterr().err
+
+
+def test_the_allow_list_names_every_variable_of_the_projects_scripts() -> None:
+    """A script's own switch (``TENANTKV_SKIP_GPU_CHECK=1 bash scripts/test.sh``) stays in the
+    environment of every command the script runs: unlisted, it made each CLI command the tests
+    start refuse to run."""
+    from tenantkv.config import known_environment
+
+    repo = Path(__file__).resolve().parents[1]
+    scripts = [*repo.glob("scripts/*.sh"), *repo.glob("bench/**/*.sh"), repo / ".ci" / "run"]
+    named = {
+        name
+        for script in scripts
+        if script.is_file()
+        for name in re.findall(r"TENANTKV_[A-Z0-9_]+", script.read_text(encoding="utf-8"))
+    }
+    assert "TENANTKV_SKIP_GPU_CHECK" in named  # the scan finds the scripts' variables
+    assert named - known_environment() == set()
 
 
 def test_the_allow_list_names_every_server_setting() -> None:
