@@ -22,8 +22,10 @@ and, run only when named in ``--engines``, ``tenantkv-openmp-teams`` (the same-r
 the cache's threads left at torch's default OpenMP count, each free to start an OpenMP team
 beside the model's: ``tenantkv/openmp_threads.py``) and ``tenantkv-before-forward`` (the
 connector's ``layer_wise=False``: each hit's whole load in ``start_load_kv``, before the
-forward, instead of layer by layer inside it). Every hit's first token is checked against
-the miss's.
+forward, instead of layer by layer inside it) and ``tenantkv-token-rows`` (the same-run
+baseline of MHA layers stored as token rows, ``KVLayout.mha``, as before the connector kept
+them as vLLM's pages: each layer loaded into a tensor, then copied into the pages). Every hit's
+first token is checked against the miss's.
 
 Reported: min / median / max ms per (engine, length, miss|hit); the hit/miss ratio within each
 engine, tenantkv's hit against ExampleConnector's hit, and a turn's miss + hit against
@@ -70,6 +72,7 @@ ENGINES = (
     "tenantkv-buffered",
     "tenantkv-openmp-teams",
     "tenantkv-before-forward",
+    "tenantkv-token-rows",
 )
 DEFAULT_ENGINES = "none,example,tenantkv,tenantkv-buffered"
 BLOCK_TOKENS = 32  # vLLM's block size here
@@ -105,12 +108,27 @@ def write_model(directory: Path) -> None:
 
 
 def kv_layout() -> Any:
-    """The model's KV as tenantkv stores it (fp32 K and V per layer)."""
+    """The model's KV as the connector stores it (fp32 K and V per layer, as vLLM's pages)."""
     import torch
 
     from tenantkv.layout import KVLayout
 
-    return KVLayout.mha(LAYERS, KV_HEADS, HIDDEN // HEADS, torch.float32)
+    return KVLayout.mha_pages(LAYERS, KV_HEADS, HIDDEN // HEADS, BLOCK_TOKENS, torch.float32)
+
+
+def _store_token_rows() -> None:
+    """The baseline of MHA layers kept as token rows (``KVLayout.mha``, ``k_t || v_t``), as the
+    connector kept them before it stored vLLM's pages as they are (``mha-pages``): its loads
+    decrypt into a layer tensor and copy it into the pages, head by head."""
+    from tenantkv.integrations.vllm import connector, settings
+    from tenantkv.layout import KVLayout
+
+    def token_rows(kv_cache_config: Any, hf_config: Any) -> tuple[Any, list[str], int]:
+        pages, names, block = settings.layout_of(kv_cache_config, hf_config)
+        rows = KVLayout.mha(pages.num_layers, pages.num_kv_heads, pages.head_dim, pages.dtype)
+        return rows, names, block
+
+    connector.layout_of = token_rows  # type: ignore[assignment]
 
 
 def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -137,6 +155,8 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
         from tenantkv.storage import local
 
         local.MAPPED_SEGMENT_BYTES = 128 * 1024  # the 64 KiB segments read into a slot again
+    elif spec["engine"] == "tenantkv-token-rows":  # both benchmarks'
+        _store_token_rows()
     transfer = None
     if spec["engine"].startswith("tenantkv"):
         transfer = KVTransferConfig(
@@ -396,6 +416,14 @@ def main() -> None:
             "before-forward hit-again / tenantkv's": (
                 ("tenantkv-before-forward", "hit-again"),
                 ("tenantkv", "hit-again"),
+            ),
+            "tenantkv hit-again / token-rows'": (
+                ("tenantkv", "hit-again"),
+                ("tenantkv-token-rows", "hit-again"),
+            ),
+            "token-rows hit-again / example's": (
+                ("tenantkv-token-rows", "hit-again"),
+                ("example", "hit-again"),
             ),
             "tenantkv hit / prefill": (("tenantkv", "hit"), ("none", "miss")),
             "tenantkv miss / prefill": (("tenantkv", "miss"), ("none", "miss")),

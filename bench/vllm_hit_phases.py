@@ -33,7 +33,10 @@ baselines each with one earlier choice put back:
   it and the forward runs with no load beside it;
 * ``tenantkv-staged-64k``: the 64 KiB segments of the benchmark's model (32-token blocks) read
   into a staging slot with ``preadv`` before they are decrypted, as they were while only
-  segments of 128 KiB and more were opened out of a mapping (``MAPPED_SEGMENT_BYTES``).
+  segments of 128 KiB and more were opened out of a mapping (``MAPPED_SEGMENT_BYTES``);
+* ``tenantkv-token-rows``: MHA layers stored as token rows (``KVLayout.mha``), as before the
+  connector kept them as vLLM's pages (``mha-pages``): each layer decrypted into a tensor,
+  then copied into the pages head by head.
 
 Reported: min / median / max ms per (length, engine, phase), the ratios of the medians of
 whole hits (each engine / example, tenantkv / each baseline), and a PNG of the hits and their
@@ -70,6 +73,7 @@ ENGINES = (
     "tenantkv-books-20ms",
     "tenantkv-staged-64k",
     "tenantkv-before-forward",
+    "tenantkv-token-rows",
 )
 DEFAULT_ENGINES = "example,tenantkv,tenantkv-openmp-teams"
 PHASES = ("hit", "lookup", "start load", "layer waits", "forward")

@@ -1,6 +1,6 @@
 """KV layouts: how one layer of a prefix cache is shaped, and how it maps to bytes.
 
-Two layout kinds are registered (``tenantkv.layout_kinds``; more can be):
+Three layout kinds are registered (``tenantkv.layout_kinds``; more can be):
 
 * **MLA** (DeepSeek-V2/V3): per token and layer one latent ``c_KV`` (``kv_lora_rank`` values) and
   one decoupled RoPE key ``k_pe`` (``rope_dim`` values). A layer is one tensor
@@ -8,6 +8,11 @@ Two layout kinds are registered (``tenantkv.layout_kinds``; more can be):
 * **MHA/GQA** (Llama, Qwen): a layer is a pair ``(k, v)``, each ``[T, num_kv_heads, head_dim]``.
   On disk a token's row is ``k_t || v_t``, so a loaded layer is one buffer ``[T, 2, H, D]`` and
   ``k``/``v`` are zero-copy views into it.
+* **MHA/GQA in an engine's pages** (``mha-pages``): the same values kept as vLLM's CPU backend
+  pages them, whole pages of ``page_tokens`` tokens, each ``[H, page_tokens, 2, D]`` (per KV
+  head, per token, key then value). A layer is ``[T // page_tokens, H, page_tokens, 2 * D]``.
+  An engine that stores its pages this way loads them back by decrypting straight into its
+  pages: no permuted copy between tenantkv's token rows and the engine's head-major pages.
 
 Every layout holds a fixed number of bytes per token and layer (:attr:`KVLayout.token_bytes`,
 the caller's dtype). What is stored of a block of one layer is a fixed-size segment
@@ -56,6 +61,8 @@ class KVLayout:
     rope_dim: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    #: Tokens of one page (``mha-pages`` only): a stored block is whole pages.
+    page_tokens: int = 0
     #: How the values are stored (``tenantkv.codecs``); set by ``kv.namespace(codec=)``.
     codec: str = "none"
 
@@ -74,6 +81,33 @@ class KVLayout:
         _positive("head_dim", head_dim)
         cls._check_dtype(dtype)
         return cls("mha", num_layers, dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    @classmethod
+    def mha_pages(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_tokens: int,
+        dtype: torch.dtype,
+    ) -> KVLayout:
+        """MHA/GQA values in an engine's pages of ``page_tokens`` tokens (``mha-pages``): a
+        namespace of this layout stores blocks of whole pages (``block_tokens`` a multiple of
+        ``page_tokens``). Another kind than :meth:`mha`, so another namespace: token rows and
+        pages of the same values never meet."""
+        _positive("num_layers", num_layers)
+        _positive("num_kv_heads", num_kv_heads)
+        _positive("head_dim", head_dim)
+        _positive("page_tokens", page_tokens)
+        cls._check_dtype(dtype)
+        return cls(
+            "mha-pages",
+            num_layers,
+            dtype,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_tokens=page_tokens,
+        )
 
     @staticmethod
     def _check_dtype(dtype: torch.dtype) -> None:
@@ -101,6 +135,11 @@ class KVLayout:
     def components(self) -> list[Component]:
         """The parts of a token's row that a codec scales apart."""
         return self.strategy.components(self)
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """InvalidRequestError when a namespace of this layout cannot use blocks of
+        ``block_tokens`` tokens (``mha-pages``: a block must be whole pages)."""
+        self.strategy.check_block_tokens(self, block_tokens)
 
     def segment_bytes(self, block_tokens: int) -> int:
         """Stored (plaintext) bytes of one block of one layer, under this layout's codec."""

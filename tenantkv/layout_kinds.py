@@ -38,6 +38,8 @@ class KVLayout(Protocol):
     @property
     def head_dim(self) -> int: ...
     @property
+    def page_tokens(self) -> int: ...
+    @property
     def values_per_token(self) -> int: ...
     @property
     def token_bytes(self) -> int: ...
@@ -113,6 +115,11 @@ class LayoutKind(abc.ABC):
 
     def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
         """An ``out=`` entry as ``[R, token_bytes]`` uint8 rows, when loads decrypt into it."""
+        return None
+
+    def check_block_tokens(self, layout: KVLayout, block_tokens: int) -> None:
+        """Refuse (InvalidRequestError) a namespace block size this kind cannot store; every
+        size is fine unless a kind says otherwise."""
         return None
 
     def out_pair(self, entry: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -236,6 +243,84 @@ class KeyValueKind(LayoutKind):
         return pair[:, 0], pair[:, 1]
 
 
+class PagedKeyValueKind(LayoutKind):
+    """MHA/GQA as an engine pages it (vLLM's CPU backend): a layer is whole pages ``[P, H, N,
+    2 * D]`` of ``N = page_tokens`` tokens, where a page keeps each KV head's tokens together and
+    a token's cell is its key then its value.
+
+    Stored as the pages' own bytes: "row" ``r`` of a layer is bytes ``r * token_bytes ..`` of
+    its pages, so a block of ``N`` rows is one page, and an engine's pages viewed as ``[pages *
+    N, token_bytes]`` rows take a load's decryption directly (the MLA path), where
+    :class:`KeyValueKind` rows (one token each, ``k_t || v_t``) need a permuted copy into such
+    pages. A row is not one token: a namespace of this kind holds whole pages only
+    (:meth:`check_block_tokens`), and its layers cannot be repositioned (:meth:`reposition`)."""
+
+    name = "mha-pages"
+    decrypts_into_out = True
+
+    def values_per_token(self, layout: KVLayout) -> int:
+        return 2 * layout.num_kv_heads * layout.head_dim
+
+    def shape_fields(self, layout: KVLayout) -> dict[str, int]:
+        return {
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "page_tokens": layout.page_tokens,
+        }
+
+    def components(self, layout: KVLayout) -> list[Component]:
+        # A row is num_kv_heads cells (of consecutive tokens of one head, or of the page's
+        # layout where page_tokens is not a multiple of the heads), each key then value: the
+        # keys and the values of each cell position are scaled apart, as KeyValueKind keeps
+        # k and v apart.
+        d = layout.head_dim
+        parts = []
+        for cell in range(layout.num_kv_heads):
+            parts.append(Component(f"k{cell}", 2 * d * cell, d, d, positional=False))
+            parts.append(Component(f"v{cell}", 2 * d * cell + d, d, d, positional=False))
+        return parts
+
+    def _shape(self, layout: KVLayout, what: str, num_tokens: int) -> tuple[int, ...]:
+        pages, rest = divmod(num_tokens, layout.page_tokens)
+        if rest:
+            raise InvalidRequestError(
+                f"{what} covers {num_tokens} tokens, not whole pages of {layout.page_tokens}"
+            )
+        return (pages, layout.num_kv_heads, layout.page_tokens, 2 * layout.head_dim)
+
+    def layer_rows(self, layout: KVLayout, layer: Any, what: str, num_tokens: int) -> torch.Tensor:
+        tensor = check_tensor(layout, what, layer, self._shape(layout, what, num_tokens))
+        return tensor.detach().to("cpu").contiguous()
+
+    def layer_from_values(self, layout: KVLayout, values: torch.Tensor, num_tokens: int) -> Layer:
+        return values.view(self._shape(layout, "a loaded layer", num_tokens))
+
+    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
+        return (layout.values_per_token,)
+
+    def reposition(
+        self, layout: KVLayout, layer: Layer, kept: torch.Tensor, move: KeyMover
+    ) -> Layer:
+        raise InvalidRequestError(
+            "layers kept as an engine's pages ('mha-pages') cannot be edited: their rows are "
+            "not tokens"
+        )
+
+    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
+        tensor = check(what, entry)
+        return tensor, [tensor]
+
+    def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
+        return entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)  # type: ignore[no-any-return]
+
+    def check_block_tokens(self, layout: KVLayout, block_tokens: int) -> None:
+        if block_tokens % layout.page_tokens:
+            raise InvalidRequestError(
+                f"block_tokens {block_tokens} is not whole pages of {layout.page_tokens} tokens "
+                "(layout 'mha-pages')"
+            )
+
+
 _KINDS: dict[str, LayoutKind] = {}
 
 
@@ -257,3 +342,4 @@ def layout_kind(name: str) -> LayoutKind:
 
 register_layout_kind(LatentKind())
 register_layout_kind(KeyValueKind())
+register_layout_kind(PagedKeyValueKind())

@@ -29,6 +29,9 @@ def random_layers(
     for _ in range(layout.num_layers):
         if layout.kind == "mla":
             layers.append(tensor(num_tokens, layout.values_per_token))
+        elif layout.kind == "mha-pages":  # whole pages [P, H, N, 2 * D]
+            n = layout.page_tokens
+            layers.append(tensor(num_tokens // n, layout.num_kv_heads, n, 2 * layout.head_dim))
         else:
             shape = (num_tokens, layout.num_kv_heads, layout.head_dim)
             layers.append((tensor(*shape), tensor(*shape)))

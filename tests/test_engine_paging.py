@@ -26,6 +26,7 @@ from tests.helpers import MHA_SMALL, random_tokens
 BLOCK = 16
 MHA = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
 MLA = KVLayout.mla(num_layers=2, kv_lora_rank=6, rope_dim=2, dtype=torch.bfloat16)
+PAGES = KVLayout.mha_pages(2, num_kv_heads=2, head_dim=4, page_tokens=BLOCK, dtype=torch.float16)
 
 
 def test_mha_pages_round_trip_through_block_ids() -> None:
@@ -107,27 +108,39 @@ def _page_choices(draw: st.DrawFn) -> tuple[int, list[int]]:
 @settings(max_examples=60, deadline=None)
 @given(
     choice=_page_choices(),
-    mla=st.booleans(),
+    kind=st.sampled_from(["mla", "mha", "mha-pages"]),
     seed=st.integers(0, 2**16),
     max_runs=st.sampled_from([0, paged_kv.MAX_SLICED_RUNS]),
 )
 def test_scatter_and_gather_match_a_token_by_token_model(
-    choice: tuple[int, list[int]], mla: bool, seed: int, max_runs: int
+    choice: tuple[int, list[int]], kind: str, seed: int, max_runs: int
 ) -> None:
     """Both copy paths: slices of consecutive pages, and one indexed copy (``max_runs=0``)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paged_kv, "MAX_SLICED_RUNS", max_runs)
-        _scatter_and_gather_match_the_model(choice, mla, seed)
+        _scatter_and_gather_match_the_model(choice, kind, seed)
 
 
 def _scatter_and_gather_match_the_model(
-    choice: tuple[int, list[int]], mla: bool, seed: int
+    choice: tuple[int, list[int]], kind: str, seed: int
 ) -> None:
     num_pages, block_ids = choice
-    layout = MLA if mla else MHA
+    layout = {"mla": MLA, "mha": MHA, "mha-pages": PAGES}[kind]
     generator = torch.Generator().manual_seed(seed)
     tokens = len(block_ids) * BLOCK
-    if mla:
+    if kind == "mha-pages":  # a layer is its pages: block i is page block_ids[i] as it is
+        pages = torch.zeros(num_pages, 2, BLOCK, 8, dtype=torch.float16)
+        layer_pages = torch.randn(len(block_ids), 2, BLOCK, 8, generator=generator).half()
+        expected = pages.clone()
+        for i, page in enumerate(block_ids):
+            expected[page] = layer_pages[i]
+        scatter_layer(pages, block_ids, layer_pages, layout)
+        assert torch.equal(pages, expected)
+        got_pages = gather_layer(pages, block_ids, layout)
+        assert isinstance(got_pages, torch.Tensor) and got_pages.is_contiguous()
+        assert torch.equal(got_pages, layer_pages)
+        return
+    if kind == "mla":
         pages = torch.zeros(num_pages, 1, BLOCK, 8, dtype=torch.bfloat16)
         layer: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = torch.randn(
             tokens, 8, generator=generator
@@ -228,6 +241,30 @@ def test_pages_are_checked_once_and_bad_blocks_refused_before_any_copy() -> None
     assert pages.pages.abs().sum() == 0  # nothing half-written
     pages.write(RequestBlocks([2, 0]), (k, k))  # control: pages that exist are written
     assert pages.pages[1].abs().sum() == 0 and pages.pages[[0, 2]].abs().sum() > 0
+
+
+def test_pages_stored_as_pages_are_rows_of_the_pages_and_skip_the_engines_blocks() -> None:
+    """``mha-pages``: the pages viewed as rows are the layer's stored rows (a load decrypts into
+    them); a write that skips the blocks the engine has writes the rest; a page of another
+    size, or a layer that is not whole pages, is refused."""
+    pages = torch.zeros(6, 2, BLOCK, 8, dtype=torch.float16)
+    paged = PagedLayer(pages, PAGES)
+    assert paged.rows is not None and paged.rows.shape == (6 * BLOCK, PAGES.values_per_token)
+    assert paged.rows.data_ptr() == pages.data_ptr()
+    layer = torch.randn(3, 2, BLOCK, 8).half()
+    blocks = RequestBlocks([4, 1])
+    paged.write(blocks, layer, skip_blocks=1)  # the engine has block 0 of the request
+    assert torch.equal(pages[4], layer[1]) and torch.equal(pages[1], layer[2])
+    assert pages[[0, 2, 3, 5]].abs().sum() == 0
+    # block i of the layout's rows is page i's bytes, in the page's own order
+    assert torch.equal(paged.rows[4 * BLOCK : 5 * BLOCK].reshape(-1), layer[1].reshape(-1))
+    mha = PagedLayer(torch.zeros(6, 2, BLOCK, 8, dtype=torch.float16), MHA)
+    assert mha.rows is None  # control: a token's k || v row is not contiguous in MHA pages
+    with pytest.raises(InvalidRequestError, match="does not match the layout"):
+        PagedLayer(torch.zeros(6, 2, 2 * BLOCK, 8, dtype=torch.float16), PAGES)
+    with pytest.raises(InvalidRequestError, match="does not fill these pages"):
+        paged.write(RequestBlocks([0]), layer)  # three pages for one
+    assert pages[0].abs().sum() == 0
 
 
 def test_a_view_over_the_same_pages_is_recognised() -> None:

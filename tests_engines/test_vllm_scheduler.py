@@ -235,12 +235,18 @@ class Setup:
 
 
 def store_for(setup: Setup, tenant: str, scope: str | None = None) -> torch.Tensor:
-    """Store the prompt's first 3 blocks for ``tenant``; returns the K|V rows per layer."""
+    """Store the prompt's first 3 blocks for ``tenant``; returns the K|V rows per layer
+    (token ``t``'s row ``[HEADS, 2 * HEAD_DIM]``). The connector's namespaces keep MHA layers
+    as vLLM's pages (``mha-pages``): each layer is stored as 3 pages ``[HEADS, BLOCK, K|V]``."""
     namespace = setup.connector.engine.namespace(RequestTenant(tenant, scope))
     assert namespace is not None
+    assert namespace.layout.kind == "mha-pages"
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(len(LAYERS), 96, HEADS, 2 * HEAD_DIM, generator=generator)
-    layers = [(rows[i, ..., :HEAD_DIM], rows[i, ..., HEAD_DIM:]) for i in range(len(LAYERS))]
+    layers = [
+        rows[i].view(3, BLOCK, HEADS, 2 * HEAD_DIM).permute(0, 2, 1, 3).contiguous()
+        for i in range(len(LAYERS))
+    ]
     assert namespace.store(PROMPT[:96], layers) == 96
     return rows
 
@@ -672,10 +678,8 @@ def test_a_preempted_requests_save_finishes_before_the_next_step_reuses_its_page
     namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
     assert namespace is not None and namespace.cached_length(PROMPT[:96]) == 96
     with namespace.load(PROMPT[:96]) as stream:
-        for index, layer in stream:
-            k, v = layer
-            rows = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
-            assert torch.equal(rows.permute(0, 2, 1, 3), expected[LAYERS[index]])
+        for index, layer in stream:  # the pages as they were stored
+            assert torch.equal(layer, expected[LAYERS[index]])
 
 
 @pytest.mark.parametrize("codec", ["fp8", "int4"])
@@ -700,15 +704,14 @@ def test_a_coded_namespace_loads_decoded_values_into_the_pages(
     (load,) = meta.loads
     layout = setup.connector.engine.layout
     for index_, name in enumerate(LAYERS):
-        k, v = rows[index_, ..., :HEAD_DIM], rows[index_, ..., HEAD_DIM:]
-        stored = torch.stack((k, v), dim=1).contiguous().view(torch.uint8).view(96, -1)
+        # what store_for stored: the layer's 3 pages [HEADS, BLOCK, K|V], as their bytes
+        pages = rows[index_].view(3, BLOCK, HEADS, 2 * HEAD_DIM).permute(0, 2, 1, 3)
+        stored = pages.contiguous().view(torch.uint8).view(96, -1)
         coded = layout.decode_rows(layout.encode_rows(stored, BLOCK), BLOCK)
-        pair = coded.view(torch.float32).view(96, 2, HEADS, HEAD_DIM)
-        decoded = torch.cat((pair[:, 0], pair[:, 1]), dim=-1)  # the pages' K|V per head
-        assert not torch.equal(decoded, rows[index_])
+        decoded = coded.view(torch.float32).view(3, HEADS, BLOCK, 2 * HEAD_DIM)
+        assert not torch.equal(decoded, pages)
         for b, page in enumerate(load.block_ids):
-            expected = decoded[b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
-            assert torch.equal(setup.pages[name][page], expected), (name, b)
+            assert torch.equal(setup.pages[name][page], decoded[b]), (name, b)
     plain = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem)
     other = plain.request("plain", params(gateway, "acme"))
     assert plain.connector.get_num_new_matched_tokens(other, 0) == (0, False)
@@ -735,8 +738,9 @@ def test_a_load_and_a_save_work_out_the_requests_pages_once_for_every_layer(
     setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch, max_runs: int
 ) -> None:
     """Indexed (``max_runs=0``): one index tensor per request, whatever the number of layers;
-    sliced (vLLM's consecutive pages): none at all. Either way every other page keeps what it
-    held, and the pages hold exactly the stored rows."""
+    sliced (vLLM's consecutive pages): none at all. The load builds none either way: its
+    layers are stored as the pages (``mha-pages``) and decrypted straight into them. Every
+    other page keeps what it held, and the pages hold exactly the stored rows."""
     monkeypatch.setattr(paged_kv, "MAX_SLICED_RUNS", max_runs)
     built = count_index_builds(monkeypatch)
     rows = store_for(setup, "acme")
@@ -749,7 +753,7 @@ def test_a_load_and_a_save_work_out_the_requests_pages_once_for_every_layer(
     (load,) = meta.loads
     (save,) = meta.saves
     assert len(LAYERS) > 1
-    assert built == ([] if max_runs else [load.block_ids, save.block_ids])
+    assert built == ([] if max_runs else [save.block_ids])  # the load: into the pages
     written = set(load.block_ids) | set(save.block_ids)
     for index, name in enumerate(LAYERS):
         for b, page in enumerate(load.block_ids):
@@ -761,11 +765,9 @@ def test_a_load_and_a_save_work_out_the_requests_pages_once_for_every_layer(
     namespace = setup.connector.engine.namespace(RequestTenant("globex", None))
     assert namespace is not None
     with namespace.load(PROMPT[:96]) as stream:
-        for index, layer in stream:
-            k, v = layer
-            paged = torch.cat((k, v), dim=-1).reshape(3, BLOCK, HEADS, 2 * HEAD_DIM)
+        for index, layer in stream:  # the pages as they were stored
             expected = setup.pages[LAYERS[index]][list(save.block_ids)]
-            assert torch.equal(paged.permute(0, 2, 1, 3), expected)
+            assert torch.equal(layer, expected)
 
 
 @BOTH_LOAD_MODES
@@ -884,7 +886,9 @@ def test_a_load_before_the_forward_fills_every_layer_in_start_load_kv(
 ) -> None:
     """``layer_wise=False``: when ``start_load_kv`` returns, every layer's pages hold the
     prefix, and the layer hooks have nothing left to do. Layer by layer (the control), the
-    pages are still empty then and each layer lands at its hook."""
+    load is still open then, no layer waited for, and each layer is in its pages once its hook
+    returns (the stream decrypts into the pages in the background, so a layer may be there
+    sooner: the pages are not what tells the modes apart)."""
     setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, layer_wise=layer_wise)
     rows = store_for(setup, "acme")
     setup.request("owner", params(gateway, "acme"))
@@ -904,7 +908,11 @@ def test_a_load_before_the_forward_fills_every_layer_in_start_load_kv(
 
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(SimpleNamespace(no_compile_layers={}))
-    assert [loaded(i) for i in range(len(LAYERS))] == [not layer_wise] * len(LAYERS)
+    pending = worker.worker_side._loads
+    if layer_wise:
+        assert [(p.stream is not None, p.direct, p.written) for p in pending] == [(True, True, 0)]
+    else:
+        assert pending == [] and all(loaded(i) for i in range(len(LAYERS)))
     for index_, name in enumerate(LAYERS):
         worker.wait_for_layer_load(name)
         assert loaded(index_), name

@@ -4,8 +4,10 @@ vLLM (and SGLang's host pool) keep each layer's KV in pages of ``block_size`` to
 per-layer view is ``[num_blocks, H, N, C]`` (blocks first, then head slots, tokens of the
 block, and a cell): for MHA/GQA ``H`` is the KV heads and a cell is the head's key followed by
 its value (``C = 2 * head_dim``); for MLA ``H`` is 1 and a cell is one latent row
-(``kv_lora_rank + rope_dim``). tenantkv keeps a layer as ``(k, v)`` of ``[T, H, D]`` (MHA) or
-``[T, kv_lora_rank + rope_dim]`` (MLA). A request's token ``t`` lives in block
+(``kv_lora_rank + rope_dim``). tenantkv keeps a layer as ``(k, v)`` of ``[T, H, D]`` (MHA),
+``[T, kv_lora_rank + rope_dim]`` (MLA), or as the pages themselves, ``[T // N, H, N, C]``
+(``mha-pages``: the layout vLLM's connector stores, so that a load decrypts into the pages
+with no permuted copy). A request's token ``t`` lives in block
 ``block_ids[t // N]`` at offset ``t % N`` (the slot mapping at block granularity), so gathering
 and scattering go a whole block at a time.
 
@@ -45,6 +47,8 @@ def check_page_shape(kv_layer: torch.Tensor, layout: KVLayout, block_tokens: int
     _, heads, tokens, cell = kv_layer.shape
     if layout.kind == "mla":
         expected = (1, block_tokens, layout.values_per_token)
+    elif layout.kind == "mha-pages":
+        expected = (layout.num_kv_heads, layout.page_tokens, 2 * layout.head_dim)
     else:
         expected = (layout.num_kv_heads, block_tokens, 2 * layout.head_dim)
     if (heads, tokens, cell) != expected:
@@ -57,11 +61,14 @@ def check_page_shape(kv_layer: torch.Tensor, layout: KVLayout, block_tokens: int
 def _check_layer(layer: Layer, layout: KVLayout, dtype: torch.dtype, rows: int) -> None:
     """Refuse a layer that is not ``rows`` rows of the layout, in the pages' dtype: reshaped
     into the pages, rows of another shape with as many values would land scrambled."""
-    expected = (
-        [(rows, layout.values_per_token)]
-        if layout.kind == "mla"
-        else [(rows, layout.num_kv_heads, layout.head_dim)] * 2
-    )
+    expected: list[tuple[int, ...]]
+    if layout.kind == "mla":
+        expected = [(rows, layout.values_per_token)]
+    elif layout.kind == "mha-pages":
+        pages = rows // layout.page_tokens
+        expected = [(pages, layout.num_kv_heads, layout.page_tokens, 2 * layout.head_dim)]
+    else:
+        expected = [(rows, layout.num_kv_heads, layout.head_dim)] * 2
     tensors = [layer] if isinstance(layer, torch.Tensor) else list(layer)
     shapes = [tuple(t.shape) for t in tensors]
     if shapes != expected:
@@ -164,20 +171,23 @@ class PagedLayer:
         self.layout = layout
         self.pages = pages  # [B, H, N, C]
         self.num_pages, self.heads, self.block_tokens, self.cell = pages.shape
-        # The page tensors a layer's parts go to: MLA's one tensor to the pages, MHA's k and v
-        # to their halves of each cell ([B, H, N, D] views of [B, H, N, 2, D]).
-        if layout.kind == "mla":
+        # The page tensors a layer's parts go to: MLA's one tensor (or mha-pages' pages) to the
+        # pages, MHA's k and v to their halves of each cell ([B, H, N, D] views of [B, H, N, 2,
+        # D]).
+        self._as_pages = layout.kind == "mha-pages"  # a layer is already [P, H, N, C] pages
+        if layout.kind in ("mla", "mha-pages"):
             self._parts = [pages]
         else:
             cells = pages.view(*pages.shape[:3], 2, layout.head_dim)
             self._parts = [cells[..., 0, :], cells[..., 1, :]]
-        #: The pages as ``[pages * N, C]`` token rows, when a token's row lies in them as
-        #: tenantkv stores it (MLA pages, contiguous): a load can then decrypt straight into
-        #: the pages (``Namespace.load(out=, block_rows=)``), with no layer tensor between.
-        #: MHA pages keep each head's tokens together, so a token's row is not contiguous.
+        #: The pages as ``[pages * N, token values]`` rows, when a layer's rows lie in them as
+        #: tenantkv stores them (MLA or mha-pages pages, contiguous): a load can then decrypt
+        #: straight into the pages (``Namespace.load(out=, block_rows=)``), with no layer
+        #: tensor between. MHA pages keep each head's tokens together, so an ``mha`` token's
+        #: row is not contiguous in them.
         self.rows: torch.Tensor | None = None
-        if layout.kind == "mla" and pages.is_contiguous():
-            self.rows = pages.view(self.num_pages * self.block_tokens, self.cell)
+        if layout.kind in ("mla", "mha-pages") and pages.is_contiguous():
+            self.rows = pages.view(self.num_pages * self.block_tokens, layout.values_per_token)
 
     def same_pages(self, kv_layer: Any) -> bool:
         """Whether ``kv_layer`` is the memory this view was built over (a step may hand the
@@ -189,16 +199,30 @@ class PagedLayer:
         blocks.check_fits(self.num_pages)
 
     def _as_blocks(self, rows: torch.Tensor, count: int) -> torch.Tensor:
-        """``[T, H, C]`` rows as ``[count, H, N, C]`` (the pages' axis order; a view)."""
+        """``[T, H, C]`` rows as ``[count, H, N, C]`` (the pages' axis order; a view); a
+        layer that is pages already stays as it is."""
+        if self._as_pages:
+            return rows
         return rows.view(count, self.block_tokens, *rows.shape[1:]).transpose(1, 2)
 
-    def write(self, blocks: RequestBlocks, layer: Layer) -> None:
-        """Write a loaded layer's rows into the request's pages (block ``i`` of the layer goes
-        to page ``block_ids[i]``); every other page is left untouched."""
+    def write(self, blocks: RequestBlocks, layer: Layer, *, skip_blocks: int = 0) -> None:
+        """Write a loaded layer's rows into the request's pages (block ``skip_blocks + i`` of
+        the layer goes to page ``block_ids[i]``: the layer's first ``skip_blocks`` blocks are
+        pages the engine has already); every other page is left untouched."""
         blocks.check_fits(self.num_pages)
         count = len(blocks)
+        if skip_blocks:  # views, no copy
+            skip = skip_blocks if self._as_pages else skip_blocks * self.block_tokens
+            layer = (
+                layer[skip:]
+                if isinstance(layer, torch.Tensor)
+                else (layer[0][skip:], layer[1][skip:])
+            )
         _check_layer(layer, self.layout, self.pages.dtype, count * self.block_tokens)
-        sources = [layer.unsqueeze(1)] if isinstance(layer, torch.Tensor) else list(layer)
+        if isinstance(layer, torch.Tensor):
+            sources = [layer if self._as_pages else layer.unsqueeze(1)]
+        else:
+            sources = list(layer)
         for pages, rows in zip(self._parts, sources, strict=True):
             paged = self._as_blocks(rows.to(pages.device), count)
             if blocks.sliced:
@@ -213,10 +237,14 @@ class PagedLayer:
         blocks.check_fits(self.num_pages)
         count = len(blocks)
         rows, dtype = count * self.block_tokens, self.pages.dtype
-        if self.layout.kind == "mla":
-            latent = torch.empty(rows, self.cell, dtype=dtype)
-            outs: list[torch.Tensor] = [latent.unsqueeze(1)]
-            result: Layer = latent
+        outs: list[torch.Tensor]
+        result: Layer
+        if self._as_pages:
+            result = torch.empty((count, *self.pages.shape[1:]), dtype=dtype)
+            outs = [result]
+        elif self.layout.kind == "mla":
+            result = torch.empty(rows, self.cell, dtype=dtype)
+            outs = [result.unsqueeze(1)]
         else:
             shape = (rows, self.heads, self.layout.head_dim)
             k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)

@@ -391,6 +391,7 @@ def open_namespace(
             f"block_tokens must be a multiple of {BLOCK_TOKENS_STEP} from {BLOCK_TOKENS_STEP} "
             f"to {MAX_BLOCK_TOKENS}, got {block_tokens!r}"
         )
+    layout.check_block_tokens(block_tokens)
     fingerprint = model_fingerprint(
         model, revision, layout_identity(layout.describe(), block_tokens)
     )

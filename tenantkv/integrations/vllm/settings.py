@@ -222,7 +222,8 @@ def layout_of(kv_cache_config: Any, hf_config: Any) -> tuple[KVLayout, list[str]
     """(layout, attention layer names in model order, block size) of the engine's KV cache.
 
     One KV cache group only (start vLLM with ``disable_hybrid_kv_cache_manager=True`` for
-    models that mix attention kinds); MLA when the spec is vLLM's ``MLAAttentionSpec``.
+    models that mix attention kinds); MLA when the spec is vLLM's ``MLAAttentionSpec``, else
+    MHA/GQA kept as the engine's pages (``mha-pages``, pages of the engine's block size).
     """
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
@@ -246,5 +247,10 @@ def layout_of(kv_cache_config: Any, hf_config: Any) -> tuple[KVLayout, list[str]
     head_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
     if type(spec).__name__ != "FullAttentionSpec" or head_v != spec.head_size:
         raise InvalidRequestError(f"unsupported KV cache spec {type(spec).__name__}")
-    layout = KVLayout.mha(len(names), int(spec.num_kv_heads), int(spec.head_size), dtype)
-    return layout, names, int(spec.block_size)
+    # Stored as the pages are kept, so that a load decrypts straight into them
+    # (``mha-pages``; docs/perf.md, "vLLM: MHA pages stored as they are").
+    block = int(spec.block_size)
+    layout = KVLayout.mha_pages(
+        len(names), int(spec.num_kv_heads), int(spec.head_size), block, dtype
+    )
+    return layout, names, block

@@ -266,14 +266,8 @@ class WorkerSide:
             self._close_loads()
 
     def _write(self, spec: LoadSpec, blocks: RequestBlocks, layer_name: str, layer: Layer) -> None:
-        first, tokens = spec.first_block, self._engine.block_tokens
-        if first:  # the engine has the first blocks: their rows are skipped (views, no copy)
-            layer = (
-                layer[first * tokens :]
-                if isinstance(layer, torch.Tensor)
-                else (layer[0][first * tokens :], layer[1][first * tokens :])
-            )
-        self._pages_of(layer_name).write(blocks, layer)
+        # the engine has the first blocks: the layer's are skipped (views, no copy)
+        self._pages_of(layer_name).write(blocks, layer, skip_blocks=spec.first_block)
 
     def _load_all_layers(
         self,
