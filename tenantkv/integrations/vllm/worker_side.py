@@ -24,11 +24,13 @@ layer, and saves computed prompts from it.
   has them checked once at ``start_load_kv``. Each request's pages are worked out once
   (:class:`~tenantkv.integrations.paged_kv.RequestBlocks`: runs of consecutive pages, or one
   index tensor) when its load starts or its save is queued, and reused by every layer.
-* **Straight into the pages**: where a token's row lies in the pages as tenantkv stores it
-  (MLA: ``[blocks, tokens, latent]``) and the load fills all of its blocks, the pages are the
-  load's ``out=`` buffers (``block_rows``: each block's first row): the load decrypts into them
-  in the background, with no layer tensor and no copy; ``wait_for_layer_load`` only waits.
-  Otherwise (MHA pages keep each head's tokens together) each layer is copied once.
+* **Straight into the pages**: where the pages hold a layer's rows as tenantkv stores them
+  (MLA: ``[blocks, tokens, latent]``; MHA/GQA, stored as the pages themselves: layout kind
+  ``mha-pages``) and the load fills all of its blocks, the pages are the load's ``out=``
+  buffers (``block_rows``: each block's first row): the load decrypts into them in the
+  background, with no layer tensor and no copy; ``wait_for_layer_load`` only waits. Otherwise
+  (the engine already has the first blocks, or the pages are not contiguous) each layer is
+  copied once (a slice per run of pages, or one indexed copy).
 * **Failures**: a load that finds its prefix gone, a segment that fails to open (a security
   event, the extent dropped), a revoked key or an I/O error: the request's loaded pages are
   reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
