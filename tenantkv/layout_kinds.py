@@ -133,12 +133,28 @@ class LayoutKind(abc.ABC):
         raise NotImplementedError(f"{self.name} layers are not split")
 
 
-class LatentKind(LayoutKind):
+class RowsKind(LayoutKind):
+    """A kind whose layer is one tensor holding the stored rows as they are: ``out=`` buffers
+    are ``[R, values_per_token]`` rows a load decrypts straight into."""
+
+    decrypts_into_out = True
+
+    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
+        return (layout.values_per_token,)
+
+    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
+        tensor = check(what, entry)
+        return tensor, [tensor]
+
+    def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
+        return entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)  # type: ignore[no-any-return]
+
+
+class LatentKind(RowsKind):
     """MLA (DeepSeek-V2/V3): per token one latent ``c_KV`` and one decoupled RoPE key ``k_pe``;
     a layer is one tensor ``[T, kv_lora_rank + rope_dim]``."""
 
     name = "mla"
-    decrypts_into_out = True
 
     def values_per_token(self, layout: KVLayout) -> int:
         return layout.kv_lora_rank + layout.rope_dim
@@ -160,9 +176,6 @@ class LatentKind(LayoutKind):
     def layer_from_values(self, layout: KVLayout, values: torch.Tensor, num_tokens: int) -> Layer:
         return values.view(num_tokens, layout.values_per_token)
 
-    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
-        return (layout.values_per_token,)
-
     def reposition(
         self, layout: KVLayout, layer: Layer, kept: torch.Tensor, move: KeyMover
     ) -> Layer:
@@ -172,13 +185,6 @@ class LatentKind(LayoutKind):
         rank = layout.kv_lora_rank
         rows[:, rank:] = move(rows[:, rank:])
         return rows
-
-    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
-        tensor = check(what, entry)
-        return tensor, [tensor]
-
-    def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
-        return entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)  # type: ignore[no-any-return]
 
 
 class KeyValueKind(LayoutKind):
@@ -243,7 +249,7 @@ class KeyValueKind(LayoutKind):
         return pair[:, 0], pair[:, 1]
 
 
-class PagedKeyValueKind(LayoutKind):
+class PagedKeyValueKind(RowsKind):
     """MHA/GQA as an engine pages it (vLLM's CPU backend): a layer is whole pages ``[P, H, N,
     2 * D]`` of ``N = page_tokens`` tokens, where a page keeps each KV head's tokens together and
     a token's cell is its key then its value.
@@ -256,7 +262,6 @@ class PagedKeyValueKind(LayoutKind):
     (:meth:`check_block_tokens`), and its layers cannot be repositioned (:meth:`reposition`)."""
 
     name = "mha-pages"
-    decrypts_into_out = True
 
     def values_per_token(self, layout: KVLayout) -> int:
         return 2 * layout.num_kv_heads * layout.head_dim
@@ -295,9 +300,6 @@ class PagedKeyValueKind(LayoutKind):
     def layer_from_values(self, layout: KVLayout, values: torch.Tensor, num_tokens: int) -> Layer:
         return values.view(self._shape(layout, "a loaded layer", num_tokens))
 
-    def out_tail(self, layout: KVLayout) -> tuple[int, ...]:
-        return (layout.values_per_token,)
-
     def reposition(
         self, layout: KVLayout, layer: Layer, kept: torch.Tensor, move: KeyMover
     ) -> Layer:
@@ -305,13 +307,6 @@ class PagedKeyValueKind(LayoutKind):
             "layers kept as an engine's pages ('mha-pages') cannot be edited: their rows are "
             "not tokens"
         )
-
-    def out_parts(self, entry: Any, what: str, check: Any) -> tuple[Any, list[torch.Tensor]]:
-        tensor = check(what, entry)
-        return tensor, [tensor]
-
-    def out_rows(self, layout: KVLayout, entry: Any) -> torch.Tensor | None:
-        return entry.view(torch.uint8).view(entry.shape[0], layout.token_bytes)  # type: ignore[no-any-return]
 
     def check_block_tokens(self, layout: KVLayout, block_tokens: int) -> None:
         if block_tokens % layout.page_tokens:

@@ -175,7 +175,10 @@ class PagedLayer:
         # pages, MHA's k and v to their halves of each cell ([B, H, N, D] views of [B, H, N, 2,
         # D]).
         self._as_pages = layout.kind == "mha-pages"  # a layer is already [P, H, N, C] pages
-        if layout.kind in ("mla", "mha-pages"):
+        # A kind whose layer is its stored rows in one tensor (MLA, mha-pages) lies in the
+        # pages as it is stored.
+        as_rows = layout.strategy.decrypts_into_out
+        if as_rows:
             self._parts = [pages]
         else:
             cells = pages.view(*pages.shape[:3], 2, layout.head_dim)
@@ -186,7 +189,7 @@ class PagedLayer:
         #: tensor between. MHA pages keep each head's tokens together, so an ``mha`` token's
         #: row is not contiguous in them.
         self.rows: torch.Tensor | None = None
-        if layout.kind in ("mla", "mha-pages") and pages.is_contiguous():
+        if as_rows and pages.is_contiguous():
             self.rows = pages.view(self.num_pages * self.block_tokens, layout.values_per_token)
 
     def same_pages(self, kv_layer: Any) -> bool:
