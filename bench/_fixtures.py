@@ -149,6 +149,23 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def next_layer_counted_from_consumption(schedule: Any) -> int:
+    """``Schedule.next_layer`` as it was while a load's read-ahead window counted from the
+    layers its caller consumed alone, before it followed the layer the caller waits for: put
+    back (assigned to ``Schedule.next_layer``) as the same-run baseline of
+    ``bench/layer_hooks.py`` and the vLLM benchmarks' ``tenantkv-window-from-consumed``."""
+    item = schedule.next_item
+    if item >= schedule.total or schedule.stopped:
+        return -1
+    first = schedule.first_chunks
+    layer = 0 if item < first else 1 + (item - first) // schedule.chunks
+    if layer > schedule.demanded and (
+        schedule.broken or layer >= schedule.released + schedule.window
+    ):
+        return -1
+    return int(layer)
+
+
 # --------------------------------------------------------------------------- #
 # Caches and indexes
 # --------------------------------------------------------------------------- #

@@ -24,8 +24,12 @@ beside the model's: ``tenantkv/openmp_threads.py``) and ``tenantkv-before-forwar
 connector's ``layer_wise=False``: each hit's whole load in ``start_load_kv``, before the
 forward, instead of layer by layer inside it) and ``tenantkv-token-rows`` (the same-run
 baseline of MHA layers stored as token rows, ``KVLayout.mha``, as before the connector kept
-them as vLLM's pages: each layer loaded into a tensor, then copied into the pages). Every hit's
-first token is checked against the miss's.
+them as vLLM's pages: each layer loaded into a tensor, then copied into the pages) and
+``tenantkv-window-from-consumed`` (the same-run baseline of a load's read-ahead window counted
+from the layers the caller consumed alone, as before it followed the layer the caller waits
+for: the connector's layer hooks never consume, so the loader stopped ``window`` layers in and
+loaded each later layer once the forward was blocked on it). Every hit's first token is checked
+against the miss's.
 
 Reported: min / median / max ms per (engine, length, miss|hit); the hit/miss ratio within each
 engine, tenantkv's hit against ExampleConnector's hit, and a turn's miss + hit against
@@ -73,6 +77,7 @@ ENGINES = (
     "tenantkv-openmp-teams",
     "tenantkv-before-forward",
     "tenantkv-token-rows",
+    "tenantkv-window-from-consumed",
 )
 DEFAULT_ENGINES = "none,example,tenantkv,tenantkv-buffered"
 BLOCK_TOKENS = 32  # vLLM's block size here
@@ -157,6 +162,12 @@ def build_llm(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
         local.MAPPED_SEGMENT_BYTES = 128 * 1024  # the 64 KiB segments read into a slot again
     elif spec["engine"] == "tenantkv-token-rows":  # both benchmarks'
         _store_token_rows()
+    elif spec["engine"] == "tenantkv-window-from-consumed":  # both benchmarks'
+        from _fixtures import next_layer_counted_from_consumption
+
+        from tenantkv.datapath.schedule import Schedule
+
+        Schedule.next_layer = next_layer_counted_from_consumption  # type: ignore[method-assign]
     transfer = None
     if spec["engine"].startswith("tenantkv"):
         transfer = KVTransferConfig(

@@ -36,7 +36,11 @@ baselines each with one earlier choice put back:
   segments of 128 KiB and more were opened out of a mapping (``MAPPED_SEGMENT_BYTES``);
 * ``tenantkv-token-rows``: MHA layers stored as token rows (``KVLayout.mha``), as before the
   connector kept them as vLLM's pages (``mha-pages``): each layer decrypted into a tensor,
-  then copied into the pages head by head.
+  then copied into the pages head by head;
+* ``tenantkv-window-from-consumed``: a load's read-ahead window (``window`` layers, 2 on a
+  2-core machine) counted from the layers the caller consumed alone, as before it followed the
+  layer the caller waits for: the connector's layer hooks wait and never consume, so the
+  loader stopped two layers in and loaded each later layer once the forward was blocked on it.
 
 Reported: min / median / max ms per (length, engine, phase), the ratios of the medians of
 whole hits (each engine / example, tenantkv / each baseline), and a PNG of the hits and their
@@ -74,6 +78,7 @@ ENGINES = (
     "tenantkv-staged-64k",
     "tenantkv-before-forward",
     "tenantkv-token-rows",
+    "tenantkv-window-from-consumed",
 )
 DEFAULT_ENGINES = "example,tenantkv,tenantkv-openmp-teams"
 PHASES = ("hit", "lookup", "start load", "layer waits", "forward")

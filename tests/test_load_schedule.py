@@ -86,6 +86,27 @@ def test_waiting_for_a_layer_beyond_the_window_loads_up_to_it() -> None:
     assert schedule.take() is None  # layer 5: beyond both the window and the demand
 
 
+def test_a_caller_that_only_asks_for_layers_moves_the_window_as_one_that_consumes() -> None:
+    """Layer hooks (vLLM's ``wait_for_layer_load``) ask for layer ``i`` and never consume: the
+    window follows the layer asked for, so tasks read ahead of the caller while it computes."""
+    schedule = _schedule(num_layers=6, first=2, per=1, window=2)
+    taken = _take_all(schedule)
+    assert [layer for layer, _ in taken] == [0, 0, 1]  # the window before the caller asks
+    assert _finish(schedule, taken) == [0, 1]
+    assert schedule.demand(1)  # asking for layer 1 lets layer 2 be read ahead of it
+    assert [layer for layer, _ in _take_all(schedule)] == [2]
+    assert schedule.demand(3)
+    assert [layer for layer, _ in _take_all(schedule)] == [3, 4]
+    assert schedule.take() is None  # layer 5: beyond the window of the layer asked for
+    # Control: consuming moves it the same way, never past the window ahead of the caller.
+    consumer = _schedule(num_layers=6, first=2, per=1, window=2)
+    _finish(consumer, _take_all(consumer))
+    consumer.consume(0)
+    consumer.consume(1)
+    assert [layer for layer, _ in _take_all(consumer)] == [2, 3]
+    assert consumer.take() is None
+
+
 def test_a_layer_completes_only_with_its_last_chunk_whatever_the_order() -> None:
     schedule = _schedule(num_layers=2, first=3, per=2, window=2)
     taken = _take_all(schedule)
@@ -202,8 +223,8 @@ class ScheduleMachine(RuleBasedStateMachine):
     def _take(self, task: int) -> None:
         schedule = self.schedule
         limit = self.demanded
-        if not self.failed:
-            limit = max(limit, self.released + schedule.window - 1)
+        if not self.failed:  # the window counts from the later of the two
+            limit = max(limit, max(self.released, self.demanded) + schedule.window - 1)
         chunk = schedule.take()
         if chunk is None:
             # A task leaves when it may take nothing now.

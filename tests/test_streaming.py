@@ -424,6 +424,28 @@ def test_an_out_load_opens_every_layer_without_waiting_for_its_caller(
     assert layer_sized_slots.staging_stats()["host"].in_use == 0
 
 
+def test_a_caller_that_only_waits_for_layers_keeps_the_window_ahead_of_it(
+    layer_sized_slots: TenantKV,
+) -> None:
+    """An engine's layer hooks call ``wait_for_layer(i)`` and never consume by iteration; the
+    window (2) follows the layer they asked for, so the workers open the next layer while the
+    caller computes, where counted from consumption alone they stopped two layers in and opened
+    each later layer only once the caller was blocked on it (docs/perf.md, "Layer hooks: a
+    read-ahead window that follows the caller")."""
+    ((ns, tokens, layers), _) = _two_prefixes(layer_sized_slots)
+    last = len(layers) - 1
+    assert last >= 5
+    with ns.load(tokens) as stream:
+        assert _complete_layers_once_idle(stream) == 2  # 0 and 1: nothing asked for yet
+        assert layers_equal(stream.wait_for_layer(3), layers[3])
+        assert _complete_layers_once_idle(stream) == 5  # up to 3, and 4 ahead of the caller
+        assert layers_equal(stream.wait_for_layer(4), layers[4])
+        assert _complete_layers_once_idle(stream) == 6  # never more than the window ahead
+        for index in range(last + 1):
+            assert layers_equal(stream.wait_for_layer(index), layers[index])
+    assert layer_sized_slots.staging_stats()["host"].in_use == 0
+
+
 def test_an_out_load_opens_each_later_layer_in_one_chunk_a_slot_holds(
     layer_sized_slots: TenantKV,
 ) -> None:

@@ -15,10 +15,16 @@ docs/perf.md).
 
 Layer 0 is cut in twice as many chunks (the caller waits on it first; a task that is ahead takes
 over part of a delayed one's share), and a task that finds no chunk of it left takes one of
-layer 1 (a task leaving and another starting was measured later to the first layer). Layers stay
-within ``window`` layers of what the caller has consumed; ``wait_for_layer(i)`` always loads up
-to ``i``. A task leaves when it may take nothing more, and whoever makes a chunk takeable again
-(the caller consuming a layer or asking for a later one) starts tasks up to ``workers`` again.
+layer 1 (a task leaving and another starting was measured later to the first layer).
+
+Layers stay within ``window`` layers of where the caller is: the layer it asked for last
+(``wait_for_layer``) or the first it has not consumed (iteration), whichever is later;
+``wait_for_layer(i)`` always loads up to ``i``. An engine's layer hooks ask and never consume:
+counted from consumption alone, the window left the tasks ``window`` layers into the prefix, and
+each later layer was read only once the caller was blocked on it (docs/perf.md, "Layer hooks: a
+read-ahead window that follows the caller"). A task leaves when it may take nothing more, and
+whoever makes a chunk takeable again (the caller consuming a layer or asking for a later one)
+starts tasks up to ``workers`` again.
 When other tasks (another load's, the cache's bookkeeping) wait for the pool's threads, a task
 queues itself behind them after its chunk, so concurrent loads share the pool chunk by chunk.
 
@@ -69,7 +75,7 @@ class Schedule:
         if layer > self.demanded:
             if self.broken:
                 return -1  # after a failure, only what the caller already asked for
-            if layer >= self.released + self.window:
+            if layer >= max(self.released, self.demanded) + self.window:
                 return -1  # far enough ahead of the caller
         return layer
 
