@@ -82,6 +82,7 @@ class Namespace(NamespaceReads, NamespaceWrites):
         out: Sequence[Any] | None = None,
         block_rows: Sequence[int] | None = None,
         origin: EditedPrefix | None = None,
+        skip_blocks: int = 0,
     ) -> LoadStream:
         """Stream the cached prefix ``tokens`` (whole blocks, all cached) layer by layer.
 
@@ -96,6 +97,13 @@ class Namespace(NamespaceReads, NamespaceWrites):
 
         With ``origin``, ``tokens`` is the edited prefix ``origin``'s (see :meth:`edited`).
 
+        With ``skip_blocks``, the prefix's first ``skip_blocks`` blocks are neither read nor
+        returned: the caller has them (an engine's own prefix cache holds them), and reading
+        them would decrypt what it then throws away. The layers hold the remaining blocks only
+        (``block_rows`` then has one entry per remaining block), and only those are looked up;
+        their keys still chain from the whole of ``tokens``, so they are the blocks that follow
+        exactly this prefix, in this tenant's namespace.
+
         Raises :class:`CacheMissError` when any block is not cached, or when the index or block
         store fails before the first layer (counted as ``degraded_load``;
         :class:`CacheUnavailableError` instead with ``strict=True``), :class:`InvalidRequestError`
@@ -108,7 +116,9 @@ class Namespace(NamespaceReads, NamespaceWrites):
         # use) waits: it would compete with this load's plan and layer 0 (first_layers.py).
         first_layer = self._ctx.runtime.first_layers.hold()
         try:
-            return self._start_load(tokens, device, out, block_rows, origin, requested, first_layer)
+            return self._start_load(
+                tokens, device, out, block_rows, origin, skip_blocks, requested, first_layer
+            )
         except BaseException:
             first_layer.release()
             raise
@@ -232,6 +242,7 @@ class Namespace(NamespaceReads, NamespaceWrites):
         out: Sequence[Any] | None,
         block_rows: Sequence[int] | None,
         origin: EditedPrefix | None,
+        skip_blocks: int,
         requested: float,
         first_layer: FirstLayerHold,
     ) -> LoadStream:
@@ -245,6 +256,14 @@ class Namespace(NamespaceReads, NamespaceWrites):
                 "use lookup() to find the cached length"
             )
         keys = self._keys(token_array, origin)
+        if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int):
+            raise InvalidRequestError("skip_blocks must be an integer")
+        if not 0 <= skip_blocks < len(keys):
+            raise InvalidRequestError(
+                f"skip_blocks must leave at least one of the prefix's {len(keys)} blocks to "
+                f"load (got {skip_blocks})"
+            )
+        keys = keys[skip_blocks:]
         target = LoadTarget(
             self.layout,
             target_device,
