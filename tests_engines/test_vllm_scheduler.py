@@ -46,6 +46,7 @@ from tenantkv.integrations.engine_identity import ASSERTION_REFUSED, ENGINE_ERRO
 from tenantkv.integrations.vllm import TenantKVConnector, scheduler_side, worker_side
 from tenantkv.integrations.vllm.metadata import TenantKVConnectorMetadata
 from tenantkv.integrations.vllm.settings import ENGINE_WINDOW, ConnectorSettings
+from tenantkv.services.namespace import Namespace
 from tenantkv.tenant_assertion import AssertionSigner
 from tests.indexes import Index
 from tests_engines.conftest import BLOCK
@@ -295,6 +296,47 @@ def test_matched_tokens_loaded_into_pages_through_the_block_ids(
     totals = setup.kv.usage("acme").counters
     assert totals["hit_tokens"] - usage_before.get("hit_tokens", 0) == 96  # metered at the end
     assert totals["miss_tokens"] - usage_before.get("miss_tokens", 0) == 4
+
+
+@BOTH_LOAD_MODES
+def test_blocks_vllms_prefix_cache_holds_are_neither_loaded_nor_rewritten(
+    setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose first block vLLM's own prefix cache holds (the tenant's salt) loads
+    only the blocks after it, straight into their pages (``skip_blocks``): nothing decrypted
+    to be thrown away, and the shared page left as vLLM has it."""
+    rows = store_for(setup, "acme")
+    loads: list[tuple[int, bool]] = []
+    load = Namespace.load
+
+    def recorded(self: Namespace, *args: Any, **kwargs: Any) -> Any:
+        loads.append((kwargs.get("skip_blocks", 0), kwargs.get("out") is not None))
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(Namespace, "load", recorded)
+    # a first turn of one block and a few tokens: block 0 comes from tenantkv (control: a
+    # request vLLM's cache does not cover loads from the first block), then stays in vLLM's
+    # prefix cache under the tenant's salt
+    setup.request("first", params(gateway, "acme"), prompt=PROMPT[:40], salt="acme")
+    _, meta, errors = setup.step(compute=True)
+    assert errors == set() and [spec.first_block for spec in meta.loads] == [0]
+    assert loads == [(0, True)]
+    shared = meta.loads[0].block_ids[0]
+    for name in LAYERS:  # vLLM's own values in the shared page, which no load may overwrite
+        setup.pages[name][shared] = -1.0
+    setup.scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
+    turn = setup.request("second", params(gateway, "acme"), salt="acme")
+    _, meta, errors = setup.step()
+    assert errors == set()
+    (spec,) = meta.loads
+    assert spec.first_block == 1 and spec.block_ids[0] == shared
+    assert turn.num_computed_tokens == 100  # 32 from vLLM, 64 loaded, 4 computed
+    assert loads[1:] == [(1, True)]  # the blocks after vLLM's, into the pages, no fresh layers
+    for index, name in enumerate(LAYERS):
+        assert bool((setup.pages[name][shared] == -1.0).all()), name
+        for b, page in enumerate(spec.block_ids[1:], start=1):
+            expected = rows[index, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
+            assert torch.equal(setup.pages[name][page], expected), (name, b)
 
 
 def test_other_tenants_scopes_and_bad_assertions_match_nothing(

@@ -77,6 +77,7 @@ class _Tracked:
     namespace: Namespace | None
     prompt: tuple[int, ...]
     cached: int = 0  # tokens tenantkv had at the last lookup
+    local_hit: int = 0  # tokens vLLM's own prefix cache had at the last lookup
     block_ids: list[int] = field(default_factory=list)
     loaded_blocks: set[int] = field(default_factory=set)
     external_tokens: int = 0
@@ -152,6 +153,7 @@ class SchedulerSide:
         new = min(tracked.cached, usable) - num_computed_tokens
         if new <= 0:
             return 0, False
+        tracked.local_hit = num_computed_tokens
         return new, self._async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -160,11 +162,11 @@ class SchedulerSide:
         tracked = self._track(request)
         assert tracked.owner is not None, "a load was granted to a request without an owner"
         block_ids = list(blocks.get_block_ids()[0])
-        end = request.num_computed_tokens + num_external_tokens
-        if self._async:
-            # an async load's request is not scheduled yet: num_computed_tokens is the local hit
-            usable = (len(tracked.prompt) - 1) // self._block * self._block
-            end = max(end, min(tracked.cached, usable))
+        # The external tokens follow vLLM's local hit, the one the lookup was given: vLLM sets
+        # the request's num_computed_tokens only after this call (0 here for a new request), so
+        # counting from it put the load over the shared local pages and left the last pages
+        # unfilled whenever vLLM's prefix cache held the prompt's first blocks.
+        end = max(request.num_computed_tokens, tracked.local_hit) + num_external_tokens
         first = (end - num_external_tokens) // self._block
         last = end // self._block
         tracked.external_tokens = num_external_tokens

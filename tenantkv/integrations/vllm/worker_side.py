@@ -26,11 +26,12 @@ layer, and saves computed prompts from it.
   index tensor) when its load starts or its save is queued, and reused by every layer.
 * **Straight into the pages**: where the pages hold a layer's rows as tenantkv stores them
   (MLA: ``[blocks, tokens, latent]``; MHA/GQA, stored as the pages themselves: layout kind
-  ``mha-pages``) and the load fills all of its blocks, the pages are the load's ``out=``
-  buffers (``block_rows``: each block's first row): the load decrypts into them in the
-  background, with no layer tensor and no copy; ``wait_for_layer_load`` only waits. Otherwise
-  (the engine already has the first blocks, or the pages are not contiguous) each layer is
-  copied once (a slice per run of pages, or one indexed copy).
+  ``mha-pages``), the pages are the load's ``out=`` buffers (``block_rows``: each block's
+  first row): the load decrypts into them in the background, with no layer tensor and no copy;
+  ``wait_for_layer_load`` only waits. Blocks vLLM's own prefix cache already holds are not
+  loaded at all (``Namespace.load(skip_blocks=)``): their pages may be shared with other
+  requests, and decrypting them would be thrown away. Otherwise (pages that do not hold the
+  rows as stored) each layer is copied once (a slice per run of pages, or one indexed copy).
 * **Failures**: a load that finds its prefix gone, a segment that fails to open (a security
   event, the extent dropped), a revoked key or an I/O error: the request's loaded pages are
   reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them (run vLLM with
@@ -190,13 +191,11 @@ class WorkerSide:
     def _direct_target(
         self, spec: LoadSpec, blocks: RequestBlocks
     ) -> tuple[list[torch.Tensor], list[int]] | None:
-        """Every layer's pages as token rows and the request's blocks' first rows in them,
-        when the load can decrypt straight into the pages: every layer's rows lie there as
-        stored (``PagedLayer.rows``), on one device, in blocks of the namespace's size, and
-        the load fills all of its blocks (blocks the engine already has are not rewritten:
-        they may be shared with other requests)."""
-        if spec.first_block:
-            return None
+        """Every layer's pages as token rows and the first rows of the blocks the load fills
+        in them, when the load can decrypt straight into the pages: every layer's rows lie
+        there as stored (``PagedLayer.rows``), on one device, in blocks of the namespace's
+        size. Blocks the engine already has are not loaded at all (``skip_blocks``): they may
+        be shared with other requests."""
         tokens = self._engine.block_tokens
         buffers: list[torch.Tensor] = []
         for name in self._layer_names:
@@ -217,11 +216,14 @@ class WorkerSide:
         if namespace is None:
             self._failures.add(spec, LookupError(f"no namespace for {spec.owner}"))
             return None
+        tokens, skip = list(spec.token_ids), spec.first_block  # the engine has the first blocks
         try:
             if direct is not None:
                 out, rows = direct
-                return namespace.load(list(spec.token_ids), out[0].device, out=out, block_rows=rows)
-            return namespace.load(list(spec.token_ids))
+                return namespace.load(
+                    tokens, out[0].device, out=out, block_rows=rows, skip_blocks=skip
+                )
+            return namespace.load(tokens, skip_blocks=skip)
         except TenantKVError as err:
             self._failures.add(spec, err)
             return None
@@ -268,8 +270,8 @@ class WorkerSide:
             self._close_loads()
 
     def _write(self, spec: LoadSpec, blocks: RequestBlocks, layer_name: str, layer: Layer) -> None:
-        # the engine has the first blocks: the layer's are skipped (views, no copy)
-        self._pages_of(layer_name).write(blocks, layer, skip_blocks=spec.first_block)
+        # the layer holds the blocks after those the engine has (skip_blocks), as ``blocks``
+        self._pages_of(layer_name).write(blocks, layer)
 
     def _load_all_layers(
         self,
