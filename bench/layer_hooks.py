@@ -6,9 +6,8 @@ caller consumed (before; hooks never consume, so the loader stopped ``window`` l
 read each later layer only once the caller was blocked on it).
 
 The prefix: DeepSeek-V3's MLA layout (576 bf16 values per token and layer), ``--layers`` 61,
-``--tokens`` 4,096, stored once, loaded into fresh layers, as the vLLM connector loads a request
-whose first blocks vLLM's own prefix cache holds (a load into the caller's buffers, ``out=``,
-has no window: its workers never wait for the caller). Between layers the caller sleeps
+``--tokens`` 4,096, stored once, loaded into fresh layers (a load into the caller's buffers,
+``out=``, has no window: its workers never wait for the caller). Between layers the caller sleeps
 ``--away-ms`` (0.5 ms: the host side of a GPU forward, which launches a layer's kernels and
 returns, or a CPU forward's layer on other cores), so the loader's threads have the CPUs to
 themselves meanwhile. The window is the cache's default (``max(2, cores)`` layers), or
