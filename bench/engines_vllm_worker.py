@@ -15,6 +15,10 @@ defaults. Per prompt length and rep, a fresh prompt is stored, then:
 
 Pages are ``consecutive`` (vLLM's usual allocation) or ``scattered`` (a random set).
 
+``--engine-has-blocks K``: vLLM's own prefix cache holds each prompt's first ``K`` blocks (the
+load's ``first_block``): their pages hold marker values the load must leave as they are, and
+the load fills the pages after them (checked too).
+
 ``--layout mla``: a DeepSeek-style latent instead (8 layers of 512 + 64 bf16 values a token,
 vLLM's CPU MLA pages ``[blocks, tokens, latent]``), where a load decrypts straight into the
 pages.
@@ -26,7 +30,8 @@ which goes first, and reports each version's medians and their ratio in the same
 
 Run (in the engine venv):
     .venv-engines/bin/python bench/engines_vllm_worker.py [--lengths 256,1024,2048] \
-        [--reps 5] [--rounds 4] [--layout mha|mla] [--baseline DIR] [--out DIR]
+        [--reps 5] [--rounds 4] [--layout mha|mla] [--engine-has-blocks K] [--baseline DIR] \
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -196,9 +201,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 layers: list[Any] = list(rows)
             else:
                 rows = torch.randn(LAYERS, length, HEADS, 2 * HEAD_DIM, generator=generator)
-                layers = [(r[..., :HEAD_DIM], r[..., HEAD_DIM:]) for r in rows]
+                if namespace.layout.kind == "mha-pages":  # stored as vLLM's pages hold them
+                    layers = [
+                        r.view(blocks, BLOCK, HEADS, -1).transpose(1, 2).contiguous() for r in rows
+                    ]
+                else:  # token rows (KVLayout.mha), as the connector stored MHA before
+                    layers = [(r[..., :HEAD_DIM], r[..., HEAD_DIM:]) for r in rows]
             assert namespace.store(tokens, layers) == length
-            load = LoadSpec(f"load-{counter}", owner, tuple(tokens), block_ids, 0, False)
+            held = spec.get("engine_has", 0)  # blocks vLLM's prefix cache holds: not loaded
+            for name in names:
+                pages[name][list(block_ids[:held])] = -1.0
+            load = LoadSpec(f"load-{counter}", owner, tuple(tokens), block_ids, held, False)
 
             def load_layers() -> None:
                 connector.start_load_kv(forward)
@@ -209,12 +222,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 step(TenantKVConnectorMetadata(loads=[load]), load_layers)
             )
             for index, name in enumerate(names):  # every loaded byte checked
-                got = pages[name][list(block_ids)]
+                got = pages[name][list(block_ids[held:])]
                 if mla:
                     want = rows[index].view(blocks, BLOCK, -1)
                 else:
                     want = rows[index].view(blocks, BLOCK, HEADS, -1).transpose(1, 2)
-                assert torch.equal(got, want), (placement, length, name)
+                assert torch.equal(got, want[held:]), (placement, length, name)
+                kept = pages[name][list(block_ids[:held])]
+                assert bool((kept == -1.0).all()), (placement, length, name, "rewritten")
             # the save: another fresh prompt, from the same pages
             save_tokens = [(t + 15013) % 30000 for t in tokens]
             save = SaveSpec(f"save-{counter}", owner, tuple(save_tokens), block_ids, 0)
@@ -263,6 +278,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="processes per version")
     parser.add_argument("--baseline", type=Path, help="a tree with another tenantkv version")
     parser.add_argument("--layout", choices=("mha", "mla"), default="mha")
+    parser.add_argument(
+        "--engine-has-blocks", type=int, default=0, help="blocks vLLM's prefix cache holds (0)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -270,6 +288,8 @@ def main() -> None:
         os._exit(0)  # vLLM's threads need not be joined
     if any(n % BLOCK or n // BLOCK > PAGES for n in args.lengths):
         sys.exit(f"lengths must be multiples of {BLOCK} up to {BLOCK * PAGES} tokens")
+    if not 0 <= args.engine_has_blocks < min(args.lengths) // BLOCK:
+        sys.exit("--engine-has-blocks must leave at least one block of every length to load")
     versions = ["this"] + (["baseline"] if args.baseline else [])
     results: dict[str, Any] = {v: {} for v in versions}
     paths: dict[str, str] = {}
@@ -286,6 +306,7 @@ def main() -> None:
             for version in order:
                 spec = {"model": str(model), "lengths": args.lengths, "reps": args.reps}
                 spec["layout"] = args.layout
+                spec["engine_has"] = args.engine_has_blocks
                 spec["seed"] = round_
                 got = run_version(version, args.baseline, spec, work / f"round-{round_}")
                 paths[version] = got["tenantkv"]
