@@ -25,13 +25,21 @@ def _stored(
     return ns, tokens, layers
 
 
-def _rows(layer: tenantkv.Layer, start: int) -> tenantkv.Layer:
-    if isinstance(layer, torch.Tensor):
-        return layer[start:]
-    return layer[0][start:], layer[1][start:]
+MHA_PAGES = tenantkv.KVLayout.mha_pages(
+    num_layers=2, num_kv_heads=2, head_dim=8, page_tokens=BLOCK, dtype=torch.float16
+)
 
 
-@pytest.mark.parametrize("layout", [MLA_SMALL, MHA_SMALL], ids=["mla", "mha"])
+def _after(layer: tenantkv.Layer, blocks: int, layout: tenantkv.KVLayout) -> tenantkv.Layer:
+    """The part of a stored layer after its first ``blocks`` blocks."""
+    if isinstance(layer, torch.Tensor):  # rows, or whole pages (one block each)
+        return layer[blocks if layout.kind == "mha-pages" else blocks * BLOCK :]
+    return layer[0][blocks * BLOCK :], layer[1][blocks * BLOCK :]
+
+
+@pytest.mark.parametrize(
+    "layout", [MLA_SMALL, MHA_SMALL, MHA_PAGES], ids=["mla", "mha", "mha-pages"]
+)
 def test_fresh_layers_hold_only_the_blocks_after_those_skipped(
     kv: tenantkv.TenantKV, layout: tenantkv.KVLayout
 ) -> None:
@@ -40,7 +48,7 @@ def test_fresh_layers_hold_only_the_blocks_after_those_skipped(
         with ns.load(tokens, skip_blocks=skip) as stream:
             assert stream.num_tokens == (4 - skip) * BLOCK
             got = [layer for _, layer in stream]
-        want = [_rows(layer, skip * BLOCK) for layer in layers]
+        want = [_after(layer, skip, layout) for layer in layers]
         assert all(layers_equal(a, b) for a, b in zip(got, want, strict=True))
     # Control: without skip_blocks the whole prefix comes back.
     with ns.load(tokens) as whole:
@@ -76,7 +84,7 @@ def test_the_blocks_after_a_skip_are_the_tenants_own(kv: tenantkv.TenantKV) -> N
         with pytest.raises(tenantkv.CacheMissError):
             other.load(tokens, skip_blocks=skip)
         with owner.load(tokens, skip_blocks=skip) as stream:  # positive control
-            assert layers_equal(stream.wait_for_layer(0), _rows(layers[0], skip * BLOCK))
+            assert layers_equal(stream.wait_for_layer(0), _after(layers[0], skip, MLA_SMALL))
 
 
 def test_a_skip_that_leaves_nothing_or_is_not_a_count_is_refused(kv: tenantkv.TenantKV) -> None:

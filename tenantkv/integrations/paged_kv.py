@@ -211,7 +211,9 @@ class PagedLayer:
     def write(self, blocks: RequestBlocks, layer: Layer, *, skip_blocks: int = 0) -> None:
         """Write a loaded layer's rows into the request's pages (block ``skip_blocks + i`` of
         the layer goes to page ``block_ids[i]``: the layer's first ``skip_blocks`` blocks are
-        pages the engine has already); every other page is left untouched."""
+        pages the engine has already); every other page is left untouched. For a layer of the
+        whole prefix: a layer loaded with ``Namespace.load(skip_blocks=)`` already starts after
+        the engine's blocks (the vLLM connector's case) and is written with ``skip_blocks=0``."""
         blocks.check_fits(self.num_pages)
         count = len(blocks)
         if skip_blocks:  # views, no copy

@@ -166,7 +166,7 @@ class SchedulerSide:
         # the request's num_computed_tokens only after this call (0 here for a new request), so
         # counting from it put the load over the shared local pages and left the last pages
         # unfilled whenever vLLM's prefix cache held the prompt's first blocks.
-        end = max(request.num_computed_tokens, tracked.local_hit) + num_external_tokens
+        end = tracked.local_hit + num_external_tokens
         first = (end - num_external_tokens) // self._block
         last = end // self._block
         tracked.external_tokens = num_external_tokens
