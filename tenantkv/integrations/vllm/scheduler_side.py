@@ -167,8 +167,7 @@ class SchedulerSide:
         # counting from it put the load over the shared local pages and left the last pages
         # unfilled whenever vLLM's prefix cache held the prompt's first blocks.
         end = tracked.local_hit + num_external_tokens
-        first = (end - num_external_tokens) // self._block
-        last = end // self._block
+        first, last = tracked.local_hit // self._block, end // self._block
         tracked.external_tokens = num_external_tokens
         tracked.loaded_blocks = set(block_ids[first:last])
         if self._async:

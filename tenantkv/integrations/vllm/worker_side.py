@@ -188,9 +188,7 @@ class WorkerSide:
             self._pages_of(name).check_blocks(blocks)
         return blocks
 
-    def _direct_target(
-        self, spec: LoadSpec, blocks: RequestBlocks
-    ) -> tuple[list[torch.Tensor], list[int]] | None:
+    def _direct_target(self, blocks: RequestBlocks) -> tuple[list[torch.Tensor], list[int]] | None:
         """Every layer's pages as token rows and the first rows of the blocks the load fills
         in them, when the load can decrypt straight into the pages: every layer's rows lie
         there as stored (``PagedLayer.rows``), on one device, in blocks of the namespace's
@@ -242,7 +240,7 @@ class WorkerSide:
             except InvalidRequestError as err:
                 self._failures.add(spec, err)
                 continue
-            direct = self._direct_target(spec, blocks)
+            direct = self._direct_target(blocks)
             if self._layer_wise:
                 self._loads.append(
                     _Load(spec, self._open(spec, direct), blocks, direct is not None)
@@ -260,7 +258,7 @@ class WorkerSide:
             try:
                 layer = load.stream.wait_for_layer(index)
                 if not load.direct:  # else the stream wrote the layer into the pages
-                    self._write(load.spec, load.blocks, layer_name, layer)
+                    self._write(load.blocks, layer_name, layer)
                 load.written += 1
             except (TenantKVError, RuntimeError) as err:
                 self._failures.add(load.spec, err)
@@ -269,7 +267,7 @@ class WorkerSide:
         if index == len(self._layer_index) - 1:
             self._close_loads()
 
-    def _write(self, spec: LoadSpec, blocks: RequestBlocks, layer_name: str, layer: Layer) -> None:
+    def _write(self, blocks: RequestBlocks, layer_name: str, layer: Layer) -> None:
         # the layer holds the blocks after those the engine has (skip_blocks), as ``blocks``
         self._pages_of(layer_name).write(blocks, layer)
 
@@ -287,7 +285,7 @@ class WorkerSide:
             with stream:
                 for index, layer in stream:
                     if direct is None:  # else the stream wrote the layer into the pages
-                        self._write(spec, blocks, self._layer_names[index], layer)
+                        self._write(blocks, self._layer_names[index], layer)
         except (TenantKVError, RuntimeError, KeyError) as err:
             self._failures.add(spec, err)
 
@@ -295,7 +293,7 @@ class WorkerSide:
         """Background: every layer of an async load into its pages, then report it finished."""
         try:
             blocks = self._load_blocks(spec)
-            self._load_all_layers(spec, blocks, self._direct_target(spec, blocks))
+            self._load_all_layers(spec, blocks, self._direct_target(blocks))
         except (TenantKVError, RuntimeError, KeyError) as err:
             self._failures.add(spec, err)
         finally:
