@@ -101,7 +101,10 @@ def vllm_config(model: Path, extra: dict[str, Any]) -> VllmConfig:
 class Setup:
     """A cache with tenants acme and globex, a scheduler and a worker-side connector on it
     (``mla``: over a DeepSeek model's latent pages, ``[B, N, latent]`` as vLLM's CPU MLA
-    layers hold them; ``layer_wise``: the connector's setting, its default unless told)."""
+    layers hold them; ``layer_wise``: the connector's setting, its default unless told;
+    ``strided_pages``: pages that are views of wider rows, which a load cannot decrypt into,
+    so the connector copies each loaded layer in; ``mla_prefix_cache``: vLLM's own prefix
+    cache on for an MLA model, as on a GPU host, where vLLM's CPU platform turns it off)."""
 
     def __init__(
         self,
@@ -114,6 +117,8 @@ class Setup:
         codec: str | None = None,
         mla: bool = False,
         layer_wise: bool | str = True,
+        strided_pages: bool = False,
+        mla_prefix_cache: bool = False,
     ) -> None:
         self.root = root
         url = index.url(root)
@@ -128,6 +133,8 @@ class Setup:
         if codec is not None:
             extra["codec"] = codec
         self.config = vllm_config(model, extra)
+        if mla_prefix_cache:  # vLLM's CPU platform turns it off for MLA; GPU hosts keep it
+            self.config.cache_config.enable_prefix_caching = True
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
         self.scheduler = Scheduler(
             vllm_config=self.config,
@@ -146,7 +153,11 @@ class Setup:
             self.config, KVConnectorRole.WORKER, kv_cache_config(mla=mla)
         )
         shape = (NUM_BLOCKS, BLOCK, LATENT) if mla else (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
-        self.pages = {name: torch.zeros(shape) for name in LAYERS}
+        if strided_pages:  # views of wider rows: no token's row lies whole in the pages
+            wider = (*shape[:-1], shape[-1] + 8)
+            self.pages = {name: torch.zeros(wider)[..., : shape[-1]] for name in LAYERS}
+        else:
+            self.pages = {name: torch.zeros(shape) for name in LAYERS}
         self.worker.register_kv_caches(self.pages)
 
     def request(
@@ -298,13 +309,36 @@ def test_matched_tokens_loaded_into_pages_through_the_block_ids(
     assert totals["miss_tokens"] - usage_before.get("miss_tokens", 0) == 4
 
 
+def store_latent_for(setup: Setup, tenant: str) -> torch.Tensor:
+    """Store the prompt's first 3 blocks of latent rows for ``tenant`` (an MLA setup);
+    returns them, ``[layers, 96, LATENT]``: a page holds its block's rows as they are."""
+    namespace = setup.connector.engine.namespace(RequestTenant(tenant, None))
+    assert namespace is not None
+    assert namespace.layout.kind == "mla"
+    rows = torch.randn(len(LAYERS), 96, LATENT, generator=torch.Generator().manual_seed(2))
+    assert namespace.store(PROMPT[:96], list(rows)) == 96
+    return rows
+
+
 def check_a_load_after_vllms_local_hit(
-    setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch
+    setup: Setup,
+    gateway: AssertionSigner,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    into_pages: bool = True,
 ) -> None:
     """A request whose first block vLLM's own prefix cache holds (the tenant's salt) loads
-    only the blocks after it, straight into their pages (``skip_blocks``): nothing decrypted
-    to be thrown away, and the shared page left as vLLM has it."""
-    rows = store_for(setup, "acme")
+    only the blocks after it (``skip_blocks``): nothing decrypted to be thrown away, and the
+    shared page left as vLLM has it. ``into_pages``: whether the load can decrypt straight into
+    the pages (else the connector copies each loaded layer into the blocks after vLLM's)."""
+    mla = setup.connector.engine.layout.kind == "mla"
+    rows = store_latent_for(setup, "acme") if mla else store_for(setup, "acme")
+
+    def stored_page(layer: int, b: int) -> torch.Tensor:
+        """What the page of the prompt's block ``b`` must hold in layer ``layer``."""
+        block = rows[layer, b * BLOCK : (b + 1) * BLOCK]
+        return block if mla else block.permute(1, 0, 2)
+
     loads: list[tuple[int, bool]] = []
     load = Namespace.load
 
@@ -331,21 +365,21 @@ def check_a_load_after_vllms_local_hit(
     # request vLLM's cache does not cover loads from the first block), then stays in vLLM's
     # prefix cache under the tenant's salt
     spec = loaded(setup.request("first", params(gateway, "acme"), prompt=PROMPT[:40], salt="acme"))
-    assert spec.first_block == 0 and loads == [(0, True)]
+    assert spec.first_block == 0 and loads == [(0, into_pages)]
     shared = spec.block_ids[0]
-    for name in LAYERS:  # vLLM's own values in the shared page, which no load may overwrite
-        setup.pages[name][shared] = -1.0
+    for index, name in enumerate(LAYERS):
+        assert torch.equal(setup.pages[name][shared], stored_page(index, 0)), name
+        setup.pages[name][shared] = -1.0  # vLLM's own values, which no load may overwrite
     setup.scheduler.finish_requests("first", RequestStatus.FINISHED_ABORTED)
     turn = setup.request("second", params(gateway, "acme"), salt="acme")
     spec = loaded(turn)
     assert spec.first_block == 1 and spec.block_ids[0] == shared
     assert turn.num_computed_tokens >= 96  # 32 from vLLM, 64 loaded
-    assert loads[1:] == [(1, True)]  # the blocks after vLLM's, into the pages, no fresh layers
+    assert loads[1:] == [(1, into_pages)]  # only the blocks after vLLM's are read
     for index, name in enumerate(LAYERS):
         assert bool((setup.pages[name][shared] == -1.0).all()), name
         for b, page in enumerate(spec.block_ids[1:], start=1):
-            expected = rows[index, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
-            assert torch.equal(setup.pages[name][page], expected), (name, b)
+            assert torch.equal(setup.pages[name][page], stored_page(index, b)), (name, b)
 
 
 @BOTH_LOAD_MODES
@@ -365,6 +399,38 @@ def test_an_async_load_after_vllms_local_hit_skips_its_blocks_too(
 ) -> None:
     setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
     check_a_load_after_vllms_local_hit(setup, gateway, monkeypatch)
+
+
+@pytest.mark.parametrize(  # MHA into the pages: the two tests above
+    ("mla", "strided_pages"),
+    [(True, False), (False, True), (True, True)],
+    ids=["mla-into-pages", "mha-copied", "mla-copied"],
+)
+def test_a_load_after_vllms_local_hit_fills_the_right_pages_in_either_layout_and_path(
+    tmp_path: Path,
+    index: Index,
+    tiny_llama: Path,
+    tiny_deepseek: Path,
+    gateway_pem: str,
+    gateway: AssertionSigner,
+    monkeypatch: pytest.MonkeyPatch,
+    mla: bool,
+    strided_pages: bool,
+) -> None:
+    """The blocks after vLLM's local hit land in their own pages for MLA's latent pages as for
+    MHA's, whether the load decrypts into the pages or the connector copies each loaded layer
+    in (pages a row does not lie whole in: the loaded layer starts after vLLM's blocks, and is
+    written from the request's second page on)."""
+    setup = Setup(
+        tmp_path / "cache",
+        index,
+        tiny_deepseek if mla else tiny_llama,
+        gateway_pem,
+        mla=mla,
+        strided_pages=strided_pages,
+        mla_prefix_cache=mla,
+    )
+    check_a_load_after_vllms_local_hit(setup, gateway, monkeypatch, into_pages=not strided_pages)
 
 
 def test_other_tenants_scopes_and_bad_assertions_match_nothing(
