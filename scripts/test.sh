@@ -18,8 +18,13 @@ cp -r tenantkv build/typecheck/ && cp -r crypto storage audit build/typecheck/te
 (cd build/typecheck && ../../.venv/bin/mypy --config-file ../../pyproject.toml -p tenantkv)
 # The import contracts (pyproject's [tool.importlinter]): layers pointing down, no cycles.
 (cd build/typecheck && PYTHONPATH=. ../../.venv/bin/lint-imports --no-cache ../../pyproject.toml)
+# pytest-xdist: one worker process per CPU this process may use (cgroup quota and affinity,
+# tenantkv.host_cpus), at most 4: each worker opens PostgreSQL pools of its own, and more workers
+# than CPUs pushes index calls past their 2 s bounds (seen with 4 workers on 2 CPUs). 18.7 ->
+# 10.5 min on 2 CPUs. A later `-n 0` among the arguments runs the tests in this one process.
+workers=$(.venv/bin/python -c "from tenantkv.host_cpus import usable_cpu_count as n; print(min(4, n()))")
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n "$workers" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
@@ -39,7 +44,7 @@ if [ "${TENANTKV_SKIP_PACKAGE_CHECK:-0}" = 1 ]; then
 elif ! bash scripts/check_package.sh; then
     [ "$status" -ne 0 ] || status=1
 fi
-# The engine tests (tests_engines/, about 2 min) run in a venv of their own: vLLM is ~3.5 GB with
+# The engine tests (tests_engines/, about 6 min) run in a venv of their own: vLLM is ~3.5 GB with
 # a torch build of its own. TENANTKV_SKIP_ENGINES=1 skips them, like the package check.
 if [ "${TENANTKV_SKIP_ENGINES:-0}" = 1 ]; then
     echo "scripts/test_engines.sh SKIPPED (TENANTKV_SKIP_ENGINES=1)" >&2
