@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine tests (tests_engines/: vLLM's real Scheduler and LLM on CPU, SGLang's HiCache
 # classes, a vllm serve behind the gateway) in .venv-engines, which scripts/setup_engines.sh
-# builds. About 6 minutes on 2 cores (2026-12-07: 138 tests in 6:05, the quickstart test 2 min of it).
+# builds. About 6 minutes on 2 cores (2026-12-07: 6:05, the quickstart test 2 min of it).
 # The main suite (scripts/test.sh) does not collect them: vLLM is ~3.5 GB with a torch build of
 # its own. pytest's exit code 5 (no tests collected) is a failure here, not a pass.
 set -uo pipefail
