@@ -276,6 +276,12 @@ def setup(
     return Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, layer_wise=layer_wise)
 
 
+@pytest.fixture
+def async_setup(tmp_path: Path, index: Index, tiny_llama: Path, gateway_pem: str) -> Setup:
+    """Asynchronous loads (``load_async``): a hit loads between steps, off the forward."""
+    return Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
+
+
 #: Run a test with loads layer by layer and with whole loads before the forward.
 BOTH_LOAD_MODES = pytest.mark.parametrize(
     "setup", [True, False], ids=["layer-wise", "before-forward"], indirect=True
@@ -390,15 +396,9 @@ def test_blocks_vllms_prefix_cache_holds_are_neither_loaded_nor_rewritten(
 
 
 def test_an_async_load_after_vllms_local_hit_skips_its_blocks_too(
-    tmp_path: Path,
-    index: Index,
-    tiny_llama: Path,
-    gateway_pem: str,
-    gateway: AssertionSigner,
-    monkeypatch: pytest.MonkeyPatch,
+    async_setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
-    check_a_load_after_vllms_local_hit(setup, gateway, monkeypatch)
+    check_a_load_after_vllms_local_hit(async_setup, gateway, monkeypatch)
 
 
 @pytest.mark.parametrize(  # MHA into the pages: the two tests above
@@ -507,10 +507,8 @@ def test_computed_prompt_is_saved_and_then_hits(setup: Setup, gateway: Assertion
         assert torch.equal(setup.pages[name][list(load.block_ids)], saved_pages[name])
 
 
-def test_async_load_finishes_between_steps(
-    tmp_path: Path, index: Index, tiny_llama: Path, gateway_pem: str, gateway: AssertionSigner
-) -> None:
-    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
+def test_async_load_finishes_between_steps(async_setup: Setup, gateway: AssertionSigner) -> None:
+    setup = async_setup
     store_for(setup, "acme")
     request = setup.request("owner", params(gateway, "acme"))
     assert setup.connector.get_num_new_matched_tokens(request, 0) == (96, True)
@@ -710,14 +708,9 @@ def test_an_idle_step_that_holds_a_request_for_a_save_gives_the_save_the_gil(
 
 
 def test_idle_steps_while_an_async_load_runs_give_it_the_gil(
-    tmp_path: Path,
-    index: Index,
-    tiny_llama: Path,
-    gateway_pem: str,
-    gateway: AssertionSigner,
-    monkeypatch: pytest.MonkeyPatch,
+    async_setup: Setup, gateway: AssertionSigner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    setup = Setup(tmp_path / "cache", index, tiny_llama, gateway_pem, load_async=True)
+    setup = async_setup
     store_for(setup, "acme")
     slept = record_yields(monkeypatch)
     started = threading.Event()
